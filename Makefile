@@ -1,0 +1,28 @@
+# Two entry points (see README): `make quickstart` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test install lint clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $$(scripts/find_python312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) -m experiments.mismatch_analysis
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

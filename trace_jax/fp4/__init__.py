@@ -1,0 +1,46 @@
+"""FP4 numerics core: block formats, the quantizer, guided rounding and compact guidance.
+
+Public names here are a contract used by the model, rollout, trainer, kernels and tests.
+"""
+
+from trace_jax.fp4.fake_quant import fake_quant
+from trace_jax.fp4.formats import (
+    FORMATS,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    BlockFormat,
+    ElementType,
+    ScaleType,
+    get_format,
+)
+from trace_jax.fp4.guidance import Guidance, GuidanceMode, guidance_bits_per_element, make_guidance
+from trace_jax.fp4.packing import pack_bits, pack_fp4, unpack_bits, unpack_fp4
+from trace_jax.fp4.qtensor import QTensor
+from trace_jax.fp4.quantize import Rounding, dequantize, quantize
+from trace_jax.fp4.scales import scales_to_float32
+
+__all__ = [
+    "FORMATS",
+    "MXFP4",
+    "MXFP8",
+    "NVFP4",
+    "BlockFormat",
+    "ElementType",
+    "Guidance",
+    "GuidanceMode",
+    "QTensor",
+    "Rounding",
+    "ScaleType",
+    "dequantize",
+    "fake_quant",
+    "get_format",
+    "guidance_bits_per_element",
+    "make_guidance",
+    "pack_bits",
+    "pack_fp4",
+    "quantize",
+    "scales_to_float32",
+    "unpack_bits",
+    "unpack_fp4",
+]

@@ -1,0 +1,142 @@
+"""Exact minifloat numerics as explicit arithmetic on the grid (pure, elementwise, float32).
+
+Nothing here uses `astype(float4_e2m1fn)`-style casts: under `jax.jit` on GPU, XLA folds
+`x.astype(f4).astype(f32)` into a plain copy, so a quantizer written that way quantizes nothing.
+Everything is comparisons, `floor`, multiplications by exact powers of two and float32 bit
+manipulation, so the same functions also run inside Pallas kernel bodies.
+
+All functions take magnitudes `a` already clipped to `[0, spec.max_value]` unless noted. Exactness:
+`a / step` and `t * step` are exact because `step` is a power of two well inside float32's normal
+range, and `a - lo`, `hi - a` are exact because both operands are multiples of `ulp(a)`.
+Inputs below float32's normal range (|x| < 2**-126) are flushed to zero by XLA on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.fp4.formats import MiniFloatSpec
+
+_F32_EXP_BIAS = 127
+_F32_MANT_BITS = 23
+
+
+def floor_log2(a: jax.Array) -> jax.Array:
+    """floor(log2(a)) for positive normal float32 `a`, read from the exponent bits (int32).
+
+    Zero and subnormals give -127; the result is exact where `jnp.log2` may round.
+    """
+    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
+    return ((bits >> _F32_MANT_BITS) & 0xFF) - _F32_EXP_BIAS
+
+
+def exp2_int(e: jax.Array) -> jax.Array:
+    """2.0**e as float32 for integer `e` in [-126, 127], built from the exponent bits."""
+    e = jnp.asarray(e, jnp.int32)
+    bits = (e + _F32_EXP_BIAS) << _F32_MANT_BITS
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def grid_neighbours(a: jax.Array, spec: MiniFloatSpec):
+    """The two grid points around each magnitude: `lo <= a <= hi`, equal when `a` is on the grid.
+
+    Args:
+      a: float32 magnitudes in `[0, spec.max_value]` (NaN passes through as NaN `lo`/`hi`).
+      spec: the element minifloat.
+
+    Returns:
+      `(lo, hi, lo_idx, hi_idx)`: float32 grid values and their int32 magnitude codes
+      (`hi_idx == lo_idx + 1` unless `a` is on the grid).
+    """
+    m_bits = spec.mantissa_bits
+    e = jnp.maximum(floor_log2(a), spec.min_exponent)
+    step = exp2_int(e - m_bits)
+    t = jnp.floor(a / step)
+    lo = t * step
+    on_grid = lo == a
+    hi = jnp.where(on_grid, lo, lo + step)
+    t_int = jnp.where(jnp.isnan(t), 0.0, t).astype(jnp.int32)
+    lo_idx = (e - spec.min_exponent) * (1 << m_bits) + t_int
+    hi_idx = lo_idx + jnp.where(on_grid, 0, 1)
+    return lo, hi, lo_idx, hi_idx
+
+
+def select_nearest_even(a, lo, hi, lo_idx, hi_idx):
+    """Round to nearest, ties to the even magnitude code (zero mantissa LSB). Returns int32 idx."""
+    d_lo = a - lo
+    d_hi = hi - a
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & ((lo_idx & 1) == 1))
+    return jnp.where(take_hi, hi_idx, lo_idx)
+
+
+def select_stochastic(a, lo, hi, lo_idx, hi_idx, u):
+    """Unbiased stochastic rounding: `hi` with probability `(a - lo) / (hi - lo)`; u ~ U[0, 1)."""
+    width = hi - lo
+    p_hi = jnp.where(width > 0, (a - lo) / jnp.where(width > 0, width, 1.0), 0.0)
+    return jnp.where(u < p_hi, hi_idx, lo_idx)
+
+
+def select_toward(lo, hi, lo_idx, hi_idx, target, rtn_idx):
+    """Of `lo`/`hi`, the one nearest `target` (a magnitude mirrored to `a`'s side of zero).
+
+    `target` is the rollout's value expressed on the same half-line as `a`: `+|r|` when the rollout
+    value has the sign of the trainer value (or is zero), `-|r|` otherwise. Since `lo` and `hi` are
+    adjacent grid points, `target` lies at or beyond one of them unless `lo == hi`; in that case
+    `rtn_idx` (which then equals both) is kept.
+    """
+    return jnp.where(target <= lo, lo_idx, jnp.where(target >= hi, hi_idx, rtn_idx))
+
+
+def select_by_bit(lo_idx, hi_idx, bit):
+    """Of the adjacent `lo`/`hi`, the one whose mantissa LSB equals the rollout's `bit` (0 or 1)."""
+    return jnp.where((lo_idx & 1) == bit.astype(jnp.int32), lo_idx, hi_idx)
+
+
+def magnitude_value(idx: jax.Array, spec: MiniFloatSpec) -> jax.Array:
+    """Grid value (float32, >= 0) of magnitude code `idx` (int), the inverse of grid_neighbours."""
+    idx = idx.astype(jnp.int32)
+    m_bits = spec.mantissa_bits
+    e_field = idx >> m_bits
+    m = (idx & ((1 << m_bits) - 1)).astype(jnp.float32)
+    sub = m * exp2_int(jnp.full_like(idx, spec.min_exponent - m_bits))
+    normal = ((1 << m_bits) + m) * exp2_int(e_field - spec.bias - m_bits)
+    return jnp.where(e_field == 0, sub, normal)
+
+
+def encode(sign: jax.Array, idx: jax.Array, spec: MiniFloatSpec) -> jax.Array:
+    """Code `sign << sign_shift | idx` as uint8, with zero always encoded as +0 (code 0)."""
+    idx = idx.astype(jnp.uint8)
+    s = jnp.where(idx == 0, 0, sign.astype(jnp.uint8))
+    return (s << spec.sign_shift) | idx
+
+
+def decode(codes: jax.Array, spec: MiniFloatSpec) -> jax.Array:
+    """Signed float32 value of each code (uint8). Codes above `max_code` (E4M3's NaN) give NaN."""
+    codes = codes.astype(jnp.int32)
+    idx = codes & ((1 << spec.sign_shift) - 1)
+    mag = magnitude_value(idx, spec)
+    mag = jnp.where(idx > spec.max_code, jnp.nan, mag)
+    return jnp.where((codes >> spec.sign_shift) & 1 == 1, -mag, mag)
+
+
+def round_nearest_even(x: jax.Array, spec: MiniFloatSpec) -> jax.Array:
+    """Round float32 `x` to the nearest grid value (ties to even, saturating), as float32."""
+    a = jnp.minimum(jnp.abs(x), spec.max_value)
+    lo, hi, lo_idx, hi_idx = grid_neighbours(a, spec)
+    mag = magnitude_value(select_nearest_even(a, lo, hi, lo_idx, hi_idx), spec)
+    return jnp.where(jnp.isnan(x), jnp.nan, jnp.where(x < 0, -mag, mag))
+
+
+def encode_e8m0(e: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    """E8M0 bits (uint8) of the power of two 2**e, e clamped to [-127, 127]; NaN (0xFF) where set."""
+    bits = jnp.clip(e, -127, 127) + 127
+    return jnp.where(nonfinite, 0xFF, bits).astype(jnp.uint8)
+
+
+def decode_e8m0(bits: jax.Array) -> jax.Array:
+    """Float32 value of E8M0 bits: 2**(bits - 127), NaN for 0xFF (2**-127 is a float32 subnormal)."""
+    b = bits.astype(jnp.int32)
+    normal = exp2_int(jnp.maximum(b - 127, -126))
+    value = jnp.where(b == 0, normal * 0.5, normal)
+    return jnp.where(b == 0xFF, jnp.nan, value)

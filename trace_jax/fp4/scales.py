@@ -1,0 +1,117 @@
+"""Block scales (calibrate -> scale), SPEC section 2, as pure functions on float32 arrays.
+
+Axis legend: `[..., NB, BS]` is a tensor viewed as NB blocks of BS elements along its last axis.
+
+Rules:
+  MX (E8M0):   e = floor(log2(amax_block)) - emax_elem, clamped to [-127, 127]; X = 2**e.
+  NVFP4:       s_g = amax_global / (6 * 448);  s_b = e4m3(amax_block / (6 * s_g)), RNE, <= 448.
+Float32 recipe (what "/" means above, bit for bit): `s_g = amax * f32(1/2688)`,
+`s_b = e4m3(amax_b * (1 / f32(6 * s_g)))`, `x / scale = x * (1 / f32(s_b * s_g))`: every division
+is a correctly rounded reciprocal followed by a multiplication.
+Edge cases (documented contract, mirrored by the float64 test reference):
+  * an all-zero block gets the smallest scale (E8M0 2**-127, E4M3 2**-9) and codes 0;
+  * an NVFP4 block scale that rounds to zero is raised to 2**-9; a global amax of zero gives
+    s_g = 1, and a positive one below float32's normal range gives s_g = 2**-126;
+  * a block (or NVFP4 global group) holding NaN or Inf gets a NaN scale, so every dequantized value
+    of that block is NaN: no finite number ever stands in for a NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.fp4 import numerics
+from trace_jax.fp4.formats import BlockFormat, ElementType, ScaleType
+
+_E4M3 = ElementType.E4M3.spec
+_E4M3_NAN = 0x7F
+_E4M3_MIN_SCALE = 2.0**-9
+_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+
+
+def reciprocal(d: jax.Array) -> jax.Array:
+    """Correctly rounded float32 `1 / d`.
+
+    Scaling multiplies by this reciprocal instead of dividing: XLA may rewrite a division by a
+    broadcast value into exactly this form anyway, so writing it explicitly pins the arithmetic.
+    """
+    return jnp.float32(1.0) / d
+
+
+def normalize_global_axes(global_axes: tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    """Positive, sorted global-scale axes; they must include the last (blocked) axis."""
+    if global_axes is None:
+        return tuple(range(ndim))
+    axes = []
+    for ax in global_axes:
+        if not -ndim <= ax < ndim:
+            raise ValueError(f"global_axes {global_axes} out of range for a {ndim}-d tensor")
+        axes.append(ax % ndim)
+    if ndim - 1 not in axes:
+        raise ValueError(
+            f"global_axes {global_axes} must include the last axis: every block needs one global "
+            "scale"
+        )
+    return tuple(sorted(set(axes)))
+
+
+def global_scale(x: jax.Array, fmt: BlockFormat, axes: tuple[int, ...]) -> jax.Array:
+    """NVFP4 float32 global scale `amax / (6 * 448)` over `axes` (kept as size-1 dims)."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    s_g = amax * np.float32(1.0 / (fmt.elem.max_value * _E4M3.max_value))
+    s_g = jnp.where(amax > 0, jnp.maximum(s_g, _F32_MIN_NORMAL), 1.0)
+    return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
+
+
+def block_scales(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.Array:
+    """Block scales `[..., NB]` in `fmt.scale_dtype` from blocked float32 `xb [..., NB, BS]`.
+
+    `s_g` is the global scale broadcastable to `[..., NB]` (NVFP4), else None.
+    """
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    nonfinite = ~jnp.isfinite(amax)
+    if fmt.scale is ScaleType.E8M0:
+        e = numerics.floor_log2(amax) - fmt.elem.max_exponent
+        bits = numerics.encode_e8m0(e, nonfinite)
+    else:
+        raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g)
+        raw = jnp.minimum(raw, _E4M3.max_value)
+        s_b = jnp.maximum(numerics.round_nearest_even(raw, _E4M3), _E4M3_MIN_SCALE)
+        _, _, idx, _ = numerics.grid_neighbours(jnp.where(jnp.isnan(s_b), 0.0, s_b), _E4M3)
+        bits = numerics.encode(jnp.zeros_like(idx), idx, _E4M3)
+        bits = jnp.where(nonfinite | jnp.isnan(s_b), _E4M3_NAN, bits).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(bits, fmt.scale_dtype)
+
+
+def scales_to_float32(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Block scales in `fmt.scale_dtype` -> float32 values (NaN scales stay NaN)."""
+    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    if fmt.scale is ScaleType.E8M0:
+        return numerics.decode_e8m0(bits)
+    return numerics.decode(bits, _E4M3)
+
+
+def normalize(xb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
+    """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32, same shape.
+
+    MX scales are powers of two, so division is a multiplication by the exact inverse (this also
+    keeps the all-zero block's 2**-127 scale, a float32 subnormal, out of the arithmetic).
+    """
+    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    if fmt.scale is ScaleType.E8M0:
+        e = bits.astype(jnp.int32) - 127
+        inv = numerics.exp2_int(jnp.clip(-e, -126, 127))
+        inv = jnp.where(bits == 0xFF, jnp.nan, inv)
+        return xb * inv[..., None]
+    combined = scales_to_float32(scales, fmt) * s_g
+    return xb * reciprocal(combined)[..., None]
+
+
+def denormalize(qb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
+    """`q * scale` per element: grid values `qb [..., NB, BS]` float32 -> float32."""
+    factor = scales_to_float32(scales, fmt)
+    if fmt.has_global_scale:
+        factor = factor * s_g
+    return qb * factor[..., None]
