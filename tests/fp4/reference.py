@@ -2,7 +2,8 @@
 
 It shares no code with `trace_jax.fp4`: scales follow SPEC section 2 with numpy's exact `frexp`, and
 element rounding is ml_dtypes' own round-to-nearest-even cast of `x / scale` (float32, as the
-quantizer computes it; every NVFP4 division is a float32 reciprocal then a product). Float32 steps of the quantizer are mirrored by rounding exact float64
+quantizer computes it; every NVFP4 division is a float32 reciprocal then a product).
+Float32 steps of the quantizer are mirrored by rounding exact float64
 results to float32 (correct rounding of a product or quotient of float32 values).
 """
 
@@ -31,6 +32,7 @@ class RefQuant:
     block_scale: np.ndarray  # float64 block scale value [..., NB]
     global_scale: np.ndarray | None  # float64 [..., 1]
     values: np.ndarray  # float64 dequantized [..., N]
+    z: np.ndarray  # float64 normalized x / scale before clipping [..., N]
 
 
 def f32(x) -> np.ndarray:
@@ -64,7 +66,7 @@ def ref_quantize(x: np.ndarray, name: str) -> RefQuant:
     else:
         amax_g = np.max(np.abs(x), axis=-1, keepdims=True)
         gs = f32(amax_g * f32(1.0 / (6.0 * E4M3_MAX)))
-        gs = np.where(amax_g > 0, np.maximum(gs, np.finfo(np.float32).tiny), 1.0)
+        gs = np.where(amax_g > 0, np.maximum(gs, 2.0**-117), 1.0)
         raw = f32(amax_b * f32(1.0 / f32(6.0 * gs)))
         raw = np.minimum(raw, E4M3_MAX)
         block_scale = raw.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -81,7 +83,23 @@ def ref_quantize(x: np.ndarray, name: str) -> RefQuant:
         block_scale=block_scale,
         global_scale=gs,
         values=values.reshape(x.shape),
+        z=np.asarray(z, np.float64).reshape(x.shape),
     )
+
+
+def rtn_values(z: np.ndarray, name: str) -> np.ndarray:
+    """Round-to-nearest-even element values of float32 `z` (ml_dtypes cast, saturating)."""
+    return element_codes(z, name)[1]
+
+
+def neighbours(z: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Signed grid points `lo <= clip(z) <= hi` around each value (float64)."""
+    g = grid(name)
+    signed = np.unique(np.concatenate([-g, g]))
+    zc = np.clip(z, signed[0], signed[-1])
+    lo = signed[np.searchsorted(signed, zc, side="right") - 1]
+    hi = signed[np.searchsorted(signed, zc, side="left")]
+    return lo, hi
 
 
 def grid(name: str) -> np.ndarray:

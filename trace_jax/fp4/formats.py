@@ -70,9 +70,7 @@ class MiniFloatSpec:
         e_field = idx >> self.mantissa_bits
         m = idx & ((1 << self.mantissa_bits) - 1)
         sub = m * 2.0 ** (self.min_exponent - self.mantissa_bits)
-        normal = ((1 << self.mantissa_bits) + m) * 2.0 ** (
-            e_field - self.bias - self.mantissa_bits
-        )
+        normal = ((1 << self.mantissa_bits) + m) * 2.0 ** (e_field - self.bias - self.mantissa_bits)
         return np.where(e_field == 0, sub, normal)
 
 

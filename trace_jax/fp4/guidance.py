@@ -79,7 +79,9 @@ class Guidance:
     def check_matches(self, shape: tuple[int, ...], fmt: BlockFormat) -> None:
         """Raises ValueError unless this guidance can guide a `fmt` tensor of `shape`."""
         if self.fmt != fmt:
-            raise ValueError(f"guidance is {self.fmt.name} but the tensor is quantized as {fmt.name}")
+            raise ValueError(
+                f"guidance is {self.fmt.name} but the tensor is quantized as {fmt.name}"
+            )
         if self.payload.dtype != jnp.uint8:
             raise ValueError(f"guidance payload must be uint8, got {self.payload.dtype}")
         if tuple(self.shape) != tuple(shape):

@@ -129,13 +129,13 @@ def round_nearest_even(x: jax.Array, spec: MiniFloatSpec) -> jax.Array:
 
 
 def encode_e8m0(e: jax.Array, nonfinite: jax.Array) -> jax.Array:
-    """E8M0 bits (uint8) of the power of two 2**e, e clamped to [-127, 127]; NaN (0xFF) where set."""
+    """E8M0 bits (uint8) of 2**e, e clamped to [-127, 127]; NaN (0xFF) where `nonfinite`."""
     bits = jnp.clip(e, -127, 127) + 127
     return jnp.where(nonfinite, 0xFF, bits).astype(jnp.uint8)
 
 
 def decode_e8m0(bits: jax.Array) -> jax.Array:
-    """Float32 value of E8M0 bits: 2**(bits - 127), NaN for 0xFF (2**-127 is a float32 subnormal)."""
+    """Float32 value of E8M0 bits: 2**(bits - 127), NaN for 0xFF (2**-127 is float32-subnormal)."""
     b = bits.astype(jnp.int32)
     normal = exp2_int(jnp.maximum(b - 127, -126))
     value = jnp.where(b == 0, normal * 0.5, normal)

@@ -74,8 +74,10 @@ def validate_layout(shape, fmt: BlockFormat, scales, global_scale, *, what: str)
         if global_scale is None:
             raise ValueError(f"{what}: {fmt.name} needs a float32 global_scale, got None")
         gs = tuple(global_scale.shape)
-        if len(gs) != len(shape) or gs[-1] != 1 or any(
-            g not in (1, s) for g, s in zip(gs, shape, strict=True)
+        if (
+            len(gs) != len(shape)
+            or gs[-1] != 1
+            or any(g not in (1, s) for g, s in zip(gs, shape, strict=True))
         ):
             raise ValueError(
                 f"{what}: global_scale of shape {gs} is not broadcastable to {tuple(shape)} with "

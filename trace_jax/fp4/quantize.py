@@ -42,7 +42,7 @@ def _check_arguments(x, fmt: BlockFormat, rounding: Rounding, key, guidance) -> 
 
 
 def _rollout_target(guidance: Guidance, sign, block_shape, spec) -> jax.Array:
-    """The rollout's value as a magnitude on the trainer value's side of zero (see select_toward)."""
+    """The rollout's value as a magnitude on the trainer value's side of zero (select_toward)."""
     r = guidance.rollout_codes().reshape(block_shape).astype(jnp.int32)
     r_idx = r & ((1 << spec.sign_shift) - 1)
     r_neg = (r >> spec.sign_shift) & 1 == 1

@@ -11,7 +11,7 @@ is a correctly rounded reciprocal followed by a multiplication.
 Edge cases (documented contract, mirrored by the float64 test reference):
   * an all-zero block gets the smallest scale (E8M0 2**-127, E4M3 2**-9) and codes 0;
   * an NVFP4 block scale that rounds to zero is raised to 2**-9; a global amax of zero gives
-    s_g = 1, and a positive one below float32's normal range gives s_g = 2**-126;
+    s_g = 1, and s_g is at least 2**-117 so that s_b * s_g stays a normal float32;
   * a block (or NVFP4 global group) holding NaN or Inf gets a NaN scale, so every dequantized value
     of that block is NaN: no finite number ever stands in for a NaN.
 """
@@ -28,7 +28,9 @@ from trace_jax.fp4.formats import BlockFormat, ElementType, ScaleType
 _E4M3 = ElementType.E4M3.spec
 _E4M3_NAN = 0x7F
 _E4M3_MIN_SCALE = 2.0**-9
-_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+# Smallest global scale: keeps s_b * s_g >= 2**-9 * 2**-117 inside float32's normal range (XLA
+# flushes subnormals, which would turn the combined scale into zero).
+_MIN_GLOBAL_SCALE = 2.0**-117
 
 
 def reciprocal(d: jax.Array) -> jax.Array:
@@ -61,7 +63,7 @@ def global_scale(x: jax.Array, fmt: BlockFormat, axes: tuple[int, ...]) -> jax.A
     """NVFP4 float32 global scale `amax / (6 * 448)` over `axes` (kept as size-1 dims)."""
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
     s_g = amax * np.float32(1.0 / (fmt.elem.max_value * _E4M3.max_value))
-    s_g = jnp.where(amax > 0, jnp.maximum(s_g, _F32_MIN_NORMAL), 1.0)
+    s_g = jnp.where(amax > 0, jnp.maximum(s_g, _MIN_GLOBAL_SCALE), 1.0)
     return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
 
 
@@ -111,7 +113,13 @@ def normalize(xb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: Bloc
 
 def denormalize(qb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
     """`q * scale` per element: grid values `qb [..., NB, BS]` float32 -> float32."""
-    factor = scales_to_float32(scales, fmt)
-    if fmt.has_global_scale:
-        factor = factor * s_g
+    if fmt.scale is ScaleType.E8M0:
+        # 2**-127 is a float32 subnormal (flushed to zero by XLA): apply it as 2**-126 * 0.5 so
+        # only a subnormal *result* is flushed.
+        bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+        e = bits.astype(jnp.int32) - 127
+        factor = jnp.where(bits == 0xFF, jnp.nan, numerics.exp2_int(jnp.maximum(e, -126)))
+        out = qb * factor[..., None]
+        return jnp.where((bits == 0)[..., None], out * 0.5, out)
+    factor = scales_to_float32(scales, fmt) * s_g
     return qb * factor[..., None]

@@ -1,0 +1,152 @@
+"""Round-to-nearest quantization, bit-exact against the float64 + ml_dtypes reference.
+
+Everything runs under `jax.jit`, on whatever backend JAX picked: this module is also run on the
+H200 (see experiments/results/fp4_tests_h200.md) to prove the GPU path really quantizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.fp4 import cases, reference
+from trace_jax import fp4
+
+NAMES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def _quantize_dequantize(x, fmt):
+    q = fp4.quantize(x, fmt)
+    return q, fp4.dequantize(q), fp4.scales_to_float32(q.scales, q.fmt)
+
+
+def _assert_matches_reference(x: np.ndarray, name: str) -> None:
+    q, values, _ = _quantize_dequantize(jnp.asarray(x), fp4.get_format(name))
+    ref = reference.ref_quantize(x, name)
+    codes = np.asarray(q.codes)
+    bad = np.argwhere(codes != ref.codes)
+    assert bad.size == 0, (
+        f"{name}: {len(bad)} code mismatches, first at {bad[0]}: x={x[tuple(bad[0])]!r} "
+        f"got {codes[tuple(bad[0])]} want {ref.codes[tuple(bad[0])]}"
+    )
+    np.testing.assert_array_equal(np.asarray(values, np.float64), ref.values)
+    # Scale bits: E8M0 exponent, or the E4M3 pattern of the block scale.
+    bits = np.asarray(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
+    if name.startswith("mx"):
+        _, ex = np.frexp(ref.block_scale)
+        np.testing.assert_array_equal(bits.astype(int), ex - 1 + 127)
+    else:
+        want = ref.block_scale.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        np.testing.assert_array_equal(bits, want)
+        np.testing.assert_array_equal(np.asarray(q.global_scale, np.float64), ref.global_scale)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rtn_bit_exact_on_random_data(name, seed):
+    for label, x in cases.random_cases(seed).items():
+        try:
+            _assert_matches_reference(x, name)
+        except AssertionError as e:
+            raise AssertionError(f"case {label}: {e}") from None
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rtn_bit_exact_on_ties_saturation_and_zero_blocks(name, seed):
+    x = cases.edge_cases(name, seed)
+    cov = cases.coverage(x, name)
+    # The cases must really exercise what they claim to.
+    assert cov["ties"] > 200 and cov["saturated"] > 5 and cov["zero_blocks"] >= 2, cov
+    _assert_matches_reference(x, name)
+
+
+def test_e2m1_ties_go_to_even():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :8] = [4.0, 2.5, 5.0, 0.25, 0.75, 1.25, 1.75, 3.5]  # block max 4: X = 1
+    x[0, 8:16] = -x[0, :8]
+    q, values, _ = _quantize_dequantize(jnp.asarray(x), fp4.MXFP4)
+    want = [4.0, 2.0, 4.0, 0.0, 1.0, 1.0, 2.0, 4.0]
+    np.testing.assert_array_equal(np.asarray(values)[0, :8], want)
+    np.testing.assert_array_equal(np.asarray(values)[0, 8:16], -np.asarray(want))
+    assert np.asarray(q.codes)[0, 11] == 0  # -0.25 rounds to zero, encoded as +0
+
+
+def test_zero_block_has_codes_zero_and_smallest_scale():
+    x = np.zeros((2, 32), np.float32)
+    x[1, 16:] = 1.0
+    for fmt in (fp4.MXFP4, fp4.NVFP4):
+        q, values, _ = _quantize_dequantize(jnp.asarray(x), fmt)
+        assert not np.asarray(q.codes)[0].any()
+        bits = np.asarray(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
+        smallest = 0 if fmt is fp4.MXFP4 else 1  # E8M0 2**-127; E4M3 2**-9
+        assert (bits[0] == smallest).all(), bits
+        assert not np.asarray(values)[0].any()
+
+
+def test_quantization_is_not_folded_under_jit():
+    """The astype trap: a cast-based fake quantizer becomes a copy under jit on GPU."""
+    x = jax.random.normal(jax.random.key(0), (64, 256), jnp.float32)
+    for fmt in (fp4.MXFP4, fp4.NVFP4):
+        f = jax.jit(lambda x, fmt=fmt: fp4.fake_quant(x, fmt))
+        y = np.asarray(f(x))
+        assert np.mean(y != np.asarray(x)) > 0.9
+        assert len(np.unique(np.abs(y[0, :16]) / np.abs(y[0, :16]).max())) <= 8
+        hlo = f.lower(x).compile().as_text()
+        assert "f4e2m1fn" not in hlo.lower()
+
+
+def test_dequantize_dtype_and_bf16_input():
+    x = jax.random.normal(jax.random.key(1), (8, 64), jnp.bfloat16)
+    q = jax.jit(lambda x: fp4.quantize(x, "mxfp4"))(x)
+    assert fp4.dequantize(q, jnp.bfloat16).dtype == jnp.bfloat16
+    ref = reference.ref_quantize(np.asarray(x, np.float32), "mxfp4")
+    np.testing.assert_array_equal(np.asarray(q.codes), ref.codes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_and_inf_make_their_block_nan(name):
+    fmt = fp4.get_format(name)
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 5] = np.inf
+    _, values, _ = _quantize_dequantize(jnp.asarray(x), fmt)
+    values = np.asarray(values)
+    bs = fmt.block_size
+    assert np.isnan(values[0, :bs]).all() and np.isnan(values[1, :bs]).all()
+    assert np.isfinite(values[2]).all()
+    if fmt.has_global_scale:  # the row's global scale is NaN too: the whole row is NaN
+        assert np.isnan(values[:2]).all()
+    else:
+        assert np.isfinite(values[:2, bs:]).all()
+
+
+def test_global_axes():
+    x = jax.random.normal(jax.random.key(2), (4, 8, 32)) * jnp.arange(1, 5)[:, None, None]
+    per_row = fp4.quantize(x, "nvfp4")
+    per_tensor = fp4.quantize(x, "nvfp4", global_axes=None)
+    per_matrix = fp4.quantize(x, "nvfp4", global_axes=(1, 2))
+    assert per_row.global_scale.shape == (4, 8, 1)
+    assert per_tensor.global_scale.shape == (1, 1, 1)
+    assert per_matrix.global_scale.shape == (4, 1, 1)
+    np.testing.assert_allclose(per_tensor.global_scale.ravel(), jnp.abs(x).max() / 2688, rtol=1e-6)
+    with pytest.raises(ValueError, match="must include the last axis"):
+        fp4.quantize(x, "nvfp4", global_axes=(0,))
+
+
+def test_formats():
+    assert fp4.get_format("MXFP4") is fp4.MXFP4
+    assert (fp4.MXFP4.block_size, fp4.NVFP4.block_size, fp4.MXFP8.block_size) == (32, 16, 32)
+    assert fp4.NVFP4.has_global_scale and not fp4.MXFP4.has_global_scale
+    assert fp4.MXFP4.scale_dtype == jnp.float8_e8m0fnu
+    assert fp4.NVFP4.scale_dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(fp4.ElementType.E2M1.spec.grid(), [0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    np.testing.assert_array_equal(fp4.ElementType.E4M3.spec.grid(), reference.grid("mxfp8"))
+    with pytest.raises(ValueError, match="unknown block format"):
+        fp4.get_format("fp3")

@@ -1,0 +1,194 @@
+"""RMSNorm, RoPE, the explicit KV cache and Qwen3 grouped-query attention.
+
+Axis legend (shapes in docstrings; einsum letters in parentheses): B batch (b), T query time (t),
+S key slot (s), D model (d), H query heads (h), Hkv key/value heads (n), G = H / Hkv query heads per
+kv head (g), Dh head dim (c).
+
+KV cache convention (right padding, slot == position): sequence b holds its tokens in cache slots
+`0 .. lengths[b] - 1`, the token at slot s having RoPE position s. New tokens are appended at slot
+`lengths[b]` onwards; slots at or beyond `lengths[b]` hold stale values and are always masked. A
+padded prompt batch is therefore given right-padded, with a per-sequence count of real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.models.config import ModelConfig, QuantSite, SiteName
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+class RMSNorm(nnx.Module):
+    """`y = x / sqrt(mean(x^2) + eps) * scale` over the last axis, in float32, output in `dtype`."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, Dh/2] (float32) of the RoPE angles `pos * theta^(-2i/Dh)`."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate `x [B, T, N, Dh]` by the angles [B, T, Dh/2] (half-split layout, as Hugging Face)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerKVCache:
+    """One layer's cache: k, v [B, S, Hkv, Dh] in the compute dtype."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer caches plus `lengths [B] int32`, the number of valid slots of each sequence.
+
+    Invariant: slots `< lengths[b]` of sequence b hold the keys/values of positions
+    `0 .. lengths[b] - 1`; every other slot is masked. `lengths <= max_len` is the caller's
+    responsibility (writes past `max_len` are dropped).
+    """
+
+    layers: tuple[LayerKVCache, ...]
+    lengths: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].k.shape[1]
+
+
+def init_cache(cfg: ModelConfig, *, batch: int, max_len: int) -> KVCache:
+    """An empty cache of `max_len` slots for `batch` sequences (zeros, lengths 0)."""
+    if batch <= 0 or max_len <= 0:
+        raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got {batch}, {max_len}")
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    layers = tuple(
+        LayerKVCache(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
+        for _ in range(cfg.n_layers)
+    )
+    return KVCache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def cache_write(cache: LayerKVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> LayerKVCache:
+    """Write k, v [B, T, Hkv, Dh] at `slots [B, T]` (int32); out-of-range slots are dropped."""
+    b = jnp.arange(k.shape[0])[:, None]
+    return LayerKVCache(
+        k=cache.k.at[b, slots].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[b, slots].set(v.astype(cache.v.dtype), mode="drop"),
+    )
+
+
+def cache_read(cache: LayerKVCache) -> tuple[jax.Array, jax.Array]:
+    """All slots of k, v [B, S, Hkv, Dh] in the compute dtype."""
+    return cache.k, cache.v
+
+
+def causal_mask(valid: jax.Array) -> jax.Array:
+    """Mask [B, T, T] for a full sequence: key slot s <= query slot t and key `valid [B, T]`."""
+    t = valid.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return causal[None] & valid[:, None, :]
+
+
+def cache_mask(q_positions: jax.Array, kv_lengths: jax.Array, max_len: int) -> jax.Array:
+    """Mask [B, T, S] over cache slots: slot s <= query position and s < `kv_lengths [B]`."""
+    s = jnp.arange(max_len)
+    return (s[None, None, :] <= q_positions[:, :, None]) & (
+        s[None, None, :] < kv_lengths[:, None, None]
+    )
+
+
+# ----------------------------------------------------------------------------------- attention
+
+
+class Attention(nnx.Module):
+    """Qwen3 grouped-query attention: q/k projections, per-head RMSNorm, RoPE, softmax, output.
+
+    Weights: w_q [D, H, Dh], w_k and w_v [D, Hkv, Dh], w_o [H, Dh, D]; q_norm, k_norm over Dh.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        d, h, n, c = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.w_q = nnx.Param(init(rngs.params(), (d, h, c), cfg.param_dtype))
+        self.w_k = nnx.Param(init(rngs.params(), (d, n, c), cfg.param_dtype))
+        self.w_v = nnx.Param(init(rngs.params(), (d, n, c), cfg.param_dtype))
+        self.w_o = nnx.Param(init(rngs.params(), (h, c, d), cfg.param_dtype))
+        norm = dict(eps=cfg.rms_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.q_norm = RMSNorm(c, **norm)
+        self.k_norm = RMSNorm(c, **norm)
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array,
+        mask: jax.Array,
+        layer: int,
+        site: QuantSite,
+        cache: LayerKVCache | None = None,
+        slots: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerKVCache | None]:
+        """Attend `x [B, T, D]` at RoPE `positions [B, T]`; returns y [B, T, D] and the cache.
+
+        Without a cache, keys are the T new tokens and `mask` is [B, T, T]. With a cache, the new
+        k, v are written at `slots [B, T]` first, attention reads all S slots, `mask` is
+        [B, T, S]. The sites "k" and "v" see k, v [B, T, Hkv, Dh] before any cache write.
+        """
+        cfg = self.cfg
+        dt = cfg.dtype
+        x = x.astype(dt)
+        q = jnp.einsum("btd,dhc->bthc", x, self.w_q[...].astype(dt))
+        k = jnp.einsum("btd,dnc->btnc", x, self.w_k[...].astype(dt))
+        v = jnp.einsum("btd,dnc->btnc", x, self.w_v[...].astype(dt))
+        cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        k = site(k, name=SiteName.K, layer=layer)
+        v = site(v, name=SiteName.V, layer=layer)
+        if cache is not None:
+            if slots is None:
+                raise ValueError("Attention with a cache needs `slots` [B, T]")
+            cache = cache_write(cache, k, v, slots)
+            k, v = cache_read(cache)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]
+        scores = jnp.einsum(
+            "btngc,bsnc->bngts", q, k.astype(dt), preferred_element_type=jnp.float32
+        ) * (cfg.head_dim**-0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)  # [B, Hkv, G, T, S]
+        out = jnp.einsum("bngts,bsnc->btngc", probs, v.astype(dt))
+        out = out.reshape(b, t, cfg.n_heads, cfg.head_dim)
+        y = jnp.einsum("bthc,hcd->btd", out, self.w_o[...].astype(dt))
+        return y, cache

@@ -1,0 +1,318 @@
+"""Model configuration and the quantization-site contract shared by every model module.
+
+`ModelConfig` describes a Qwen3-MoE-style decoder (grouped-query attention with per-head q/k RMSNorm
+and RoPE, top-k softmax-routed SwiGLU experts, optional shared expert). Presets are classmethods
+derived from `tiny()` with `dataclasses.replace`.
+
+A quantization site is a callable `site(x, *, name, layer) -> x'` passed into the forward call. The
+model calls it at exactly the places that TRACE quantizes (SPEC section 3) and nowhere else:
+
+| name         | tensor                                   | shape          | contraction dim |
+| ------------ | ---------------------------------------- | -------------- | --------------- |
+| `expert_in`  | routed experts' input, once per token    | [B, T, D]      | D (last)        |
+| `expert_mid` | down-projection input, (token, slot) order | [B, T, K, F] | F (last)        |
+| `w_gate`     | routed gate projections                  | [E, F, D]      | D (last)        |
+| `w_up`       | routed up projections                    | [E, F, D]      | D (last)        |
+| `w_down`     | routed down projections                  | [E, D, F]      | F (last)        |
+| `k`          | attention keys after k-norm and RoPE     | [B, T, Hkv, Dh] | Dh (last)      |
+| `v`          | attention values                         | [B, T, Hkv, Dh] | Dh (last)      |
+
+Each site is called once per layer and forward call; `layer` is a Python int in [0, n_layers).
+Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SiteName(enum.StrEnum):
+    """Names of the quantization sites; members are `str`, so `name == "k"` works in a site."""
+
+    EXPERT_IN = "expert_in"
+    EXPERT_MID = "expert_mid"
+    W_GATE = "w_gate"
+    W_UP = "w_up"
+    W_DOWN = "w_down"
+    K = "k"
+    V = "v"
+
+
+class QuantSite(Protocol):
+    """A quantization hook: returns an array of the same shape and dtype as `x`."""
+
+    def __call__(self, x: jax.Array, *, name: str, layer: int) -> jax.Array: ...
+
+
+def identity_site(x: jax.Array, *, name: str, layer: int) -> jax.Array:
+    """The default site: no quantization."""
+    del name, layer
+    return x
+
+
+_HF_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shapes and numerics of a Qwen3-MoE-style decoder.
+
+    Attributes:
+      vocab_size: V, number of token ids.
+      d_model: D, residual stream width.
+      n_layers: L, decoder blocks (every block has attention and an MoE).
+      n_heads: H, query heads. n_kv_heads: Hkv, key/value heads (H % Hkv == 0).
+      head_dim: Dh, per-head width (need not equal D / H; must be even for RoPE).
+      n_experts: E, routed experts per layer. top_k: K, experts per token.
+      d_ff_expert: F, hidden width of each routed SwiGLU expert.
+      shared_expert_d_ff: hidden width of the always-on shared expert; 0 means none.
+      shared_expert_gated: scale the shared expert by `sigmoid(x @ w)` (Qwen2-MoE/Qwen3-Next).
+      rope_theta: RoPE base. rms_eps: RMSNorm epsilon.
+      norm_topk_prob: renormalize the K selected router probabilities to sum to one.
+      router_aux_loss_coef: weight of the Switch load-balancing loss; the model reports the
+        unscaled loss and the trainer multiplies by this coefficient.
+      tie_embeddings: LM head shares the embedding matrix.
+      init_std: standard deviation of the normal initializer of every matrix.
+      dtype: compute dtype. param_dtype: storage dtype of parameters.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    d_ff_expert: int
+    shared_expert_d_ff: int = 0
+    shared_expert_gated: bool = True
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "n_experts",
+            "top_k",
+            "d_ff_expert",
+        )
+        for field in positive:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        if (
+            isinstance(self.shared_expert_d_ff, bool)
+            or not isinstance(self.shared_expert_d_ff, int | np.integer)
+            or self.shared_expert_d_ff < 0
+        ):
+            raise ValueError(
+                "ModelConfig.shared_expert_d_ff must be an int >= 0 (0 = no shared expert), "
+                f"got {self.shared_expert_d_ff!r}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} must be divisible by "
+                f"n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"ModelConfig.top_k={self.top_k} must be <= n_experts={self.n_experts}"
+            )
+        for field in ("rope_theta", "rms_eps", "init_std"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not np.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be a finite number > 0, got {value!r}")
+        coef = self.router_aux_loss_coef
+        if not isinstance(coef, int | float) or not np.isfinite(coef) or coef < 0:
+            raise ValueError(
+                f"ModelConfig.router_aux_loss_coef must be a finite number >= 0, got {coef!r}"
+            )
+        for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
+            try:
+                dt = jnp.dtype(value)
+            except TypeError as e:
+                raise ValueError(f"ModelConfig.{field}={value!r} is not a dtype") from e
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"ModelConfig.{field} must be a floating dtype, got {dt}")
+            object.__setattr__(self, field, dt)
+
+    # ----------------------------------------------------------------------------- presets
+
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """CPU test model (~0.45M params): V=64, D=64, L=4, H=4, Hkv=2, Dh=16, E=8, K=2, F=64."""
+        cfg = cls(
+            vocab_size=64,
+            d_model=64,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            n_experts=8,
+            top_k=2,
+            d_ff_expert=64,
+        )
+        return dataclasses.replace(cfg, **overrides)
+
+    @classmethod
+    def small(cls, **overrides) -> ModelConfig:
+        """GPU RL model (~60M params, ~15M active): V=8192, D=512, L=8, E=32, K=4, F=128."""
+        cfg = dataclasses.replace(
+            cls.tiny(),
+            vocab_size=8192,
+            d_model=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=2,
+            head_dim=64,
+            n_experts=32,
+            top_k=4,
+            d_ff_expert=128,
+        )
+        return dataclasses.replace(cfg, **overrides)
+
+    @classmethod
+    def qwen3_5_35b_a3b(cls, **overrides) -> ModelConfig:
+        """Shape-only stand-in for the paper's Qwen3.5-35B-A3B (about 30.5B params, 3.3B active).
+
+        These are the Qwen3-30B-A3B shapes (all layers softmax attention + MoE); the real
+        Qwen3.5 model is hybrid and differs. Use with `jax.eval_shape`; never allocate on CPU.
+        """
+        cfg = dataclasses.replace(
+            cls.tiny(),
+            vocab_size=151936,
+            d_model=2048,
+            n_layers=48,
+            n_heads=32,
+            n_kv_heads=4,
+            head_dim=128,
+            n_experts=128,
+            top_k=8,
+            d_ff_expert=768,
+        )
+        return dataclasses.replace(cfg, **overrides)
+
+    # ----------------------------------------------------------------------- Hugging Face
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
+        """Map a Hugging Face Qwen3-MoE `config.json` dict; `overrides` set dtype etc.
+
+        Raises ValueError on missing keys or on features this model does not implement
+        (dense `mlp_only_layers`, `decoder_sparse_step != 1`, attention bias, rope scaling,
+        sliding window, an activation other than silu).
+        """
+        missing = [k for k in _HF_REQUIRED_KEYS if k not in hf]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks required keys {missing}")
+        unsupported = []
+        if hf.get("mlp_only_layers"):
+            unsupported.append(f"mlp_only_layers={hf['mlp_only_layers']!r} (dense layers)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            unsupported.append(f"decoder_sparse_step={hf['decoder_sparse_step']!r}")
+        if hf.get("attention_bias", False):
+            unsupported.append("attention_bias=True")
+        if hf.get("rope_scaling") is not None:
+            unsupported.append(f"rope_scaling={hf['rope_scaling']!r}")
+        if hf.get("use_sliding_window", False):
+            unsupported.append("use_sliding_window=True")
+        if hf.get("hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act={hf['hidden_act']!r}")
+        if unsupported:
+            raise ValueError(f"Hugging Face config uses unsupported features: {unsupported}")
+        n_heads = int(hf["num_attention_heads"])
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        fields = dict(
+            vocab_size=int(hf["vocab_size"]),
+            d_model=int(hf["hidden_size"]),
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(hf["num_key_value_heads"]),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
+            n_experts=int(hf["num_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            d_ff_expert=int(hf["moe_intermediate_size"]),
+            shared_expert_d_ff=shared,
+            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face `Qwen3MoeConfig` dict of this model (inverse of `from_hf_config`)."""
+        hf = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "intermediate_size": self.d_ff_expert * self.top_k,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.n_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.d_ff_expert,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": self.norm_topk_prob,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": False,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_eps,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+            "initializer_range": self.init_std,
+            "tie_word_embeddings": self.tie_embeddings,
+            "torch_dtype": "float32" if self.param_dtype == jnp.float32 else str(self.param_dtype),
+        }
+        if self.shared_expert_d_ff:
+            hf["shared_expert_intermediate_size"] = self.shared_expert_d_ff
+        return hf
+
+    # ----------------------------------------------------------------------------- derived
+
+    @property
+    def q_per_kv(self) -> int:
+        """G, query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads

@@ -1,0 +1,260 @@
+"""Top-k softmax router, Switch load-balancing loss and SwiGLU routed experts (grouped and dense).
+
+Axis legend (einsum letters in parentheses): B batch (b), T time (t), D model (d), E experts (e),
+K top-k slots (k), F expert ffn width (f), M = B*T*K (token, slot) assignments (m).
+
+The routed experts run grouped: the M assignments are sorted by expert and each projection is one
+`jax.lax.ragged_dot` over the E contiguous groups. `experts_dense` is the reference (every token
+through every expert, masked combine); both call the "expert_mid" site on the same [B, T, K, F]
+tensor in (token, slot) order, so they agree for any site.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.models.config import ModelConfig, QuantSite, SiteName, identity_site
+
+
+class MoEImpl(enum.StrEnum):
+    """How routed experts are computed: GROUPED (ragged_dot, the default) or DENSE (reference)."""
+
+    GROUPED = "grouped"
+    DENSE = "dense"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Router decisions of one layer.
+
+    topk_idx [B, T, K] int32: the experts used (the router's top-k, or replayed choices).
+    topk_weights [B, T, K] float32: their combine weights (softmax probabilities at topk_idx,
+      renormalized to sum to one when `norm_topk_prob`).
+    probs [B, T, E] float32: the softmax over all experts.
+    """
+
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    probs: jax.Array
+
+
+def route(
+    logits: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_choices: jax.Array | None = None,
+) -> Routing:
+    """Softmax over all E experts of `logits [B, T, E]`, then top-k (or `expert_choices`).
+
+    With `expert_choices [B, T, K]` (routing replay) those indices are used instead of the top-k;
+    the weights are always the softmax probabilities gathered at the used indices, so replaying the
+    router's own choices reproduces its weights bit for bit.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if expert_choices is None:
+        _, idx = jax.lax.top_k(probs, top_k)
+    else:
+        if expert_choices.shape != (*logits.shape[:-1], top_k):
+            raise ValueError(
+                f"expert_choices has shape {expert_choices.shape}, expected "
+                f"{(*logits.shape[:-1], top_k)} [B, T, K]"
+            )
+        idx = expert_choices
+    idx = idx.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, idx, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(topk_idx=idx, topk_weights=weights, probs=probs)
+
+
+def switch_aux_loss(routing: Routing, valid: jax.Array | None = None) -> jax.Array:
+    """Switch load-balancing loss `E * sum_e f_e * P_e` over the valid tokens (scalar float32).
+
+    f_e: fraction of valid tokens' assignments, summed over the K slots, that go to expert e
+    (so a uniform router gives K); P_e: mean router probability of e. Same as Hugging Face's
+    `load_balancing_loss_func` for one layer. `valid [B, T]` bool (default: all tokens).
+    """
+    n_experts = routing.probs.shape[-1]
+    if valid is None:
+        valid = jnp.ones(routing.probs.shape[:-1], jnp.bool_)
+    w = valid.astype(jnp.float32)  # [B, T]
+    n_valid = jnp.maximum(jnp.sum(w), 1.0)
+    assigned = jax.nn.one_hot(routing.topk_idx, n_experts, dtype=jnp.float32)  # [B, T, K, E]
+    f = jnp.einsum("btke,bt->e", assigned, w) / n_valid
+    p = jnp.einsum("bte,bt->e", routing.probs, w) / n_valid
+    return n_experts * jnp.sum(f * p)
+
+
+def _swap_last(w: jax.Array) -> jax.Array:
+    return jnp.swapaxes(w, -1, -2)
+
+
+def experts_grouped(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    routing: Routing,
+    *,
+    layer: int,
+    site: QuantSite = identity_site,
+) -> jax.Array:
+    """Routed SwiGLU experts by sorted assignments and `ragged_dot`; returns [B, T, D] in x.dtype.
+
+    x [B, T, D] (already through the "expert_in" site); w_gate, w_up [E, F, D]; w_down [E, D, F]
+    (contraction dim last, already through their sites). `site` is used for "expert_mid" only.
+    """
+    b, t, d = x.shape
+    n_experts = w_gate.shape[0]
+    top_k = routing.topk_idx.shape[-1]
+    m = b * t * top_k
+    flat_e = routing.topk_idx.reshape(m)
+    order = jnp.argsort(flat_e, stable=True)  # sorted row -> (token, slot) row
+    inverse = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)  # [E]
+    x_sorted = x.reshape(b * t, d)[order // top_k]  # [M, D]
+    gate = jax.lax.ragged_dot(x_sorted, _swap_last(w_gate), group_sizes)  # [M, F]
+    up = jax.lax.ragged_dot(x_sorted, _swap_last(w_up), group_sizes)
+    h = jax.nn.silu(gate) * up  # [M, F] expert-sorted
+    if site is not identity_site:  # the site sees (token, slot) order; skip two gathers if no-op
+        f = h.shape[-1]
+        h_tok = h[inverse].reshape(b, t, top_k, f)
+        h_tok = site(h_tok, name=SiteName.EXPERT_MID, layer=layer)
+        h = h_tok.reshape(m, f)[order]
+    y_sorted = jax.lax.ragged_dot(h, _swap_last(w_down), group_sizes)  # [M, D]
+    y = y_sorted[inverse].reshape(b, t, top_k, d)
+    out = jnp.einsum(
+        "btkd,btk->btd", y, routing.topk_weights.astype(y.dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(x.dtype)
+
+
+def experts_dense(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    routing: Routing,
+    *,
+    layer: int,
+    site: QuantSite = identity_site,
+) -> jax.Array:
+    """Reference of `experts_grouped`: every token through every expert, masked combine."""
+    n_experts = w_gate.shape[0]
+    gate = jnp.einsum("btd,efd->btef", x, w_gate)
+    up = jnp.einsum("btd,efd->btef", x, w_up)
+    h = jax.nn.silu(gate) * up  # [B, T, E, F]
+    onehot = jax.nn.one_hot(routing.topk_idx, n_experts, dtype=h.dtype)  # [B, T, K, E]
+    if site is not identity_site:
+        h_sel = jnp.take_along_axis(h, routing.topk_idx[..., None], axis=2)  # [B, T, K, F]
+        h_sel = site(h_sel, name=SiteName.EXPERT_MID, layer=layer)
+        keep = 1 - jnp.sum(onehot, axis=2)  # [B, T, E]: 0 on selected experts
+        h = h * keep[..., None] + jnp.einsum("btke,btkf->btef", onehot, h_sel)
+    y = jnp.einsum("btef,edf->bted", h, w_down)  # [B, T, E, D]
+    combine = jnp.einsum("btke,btk->bte", onehot.astype(jnp.float32), routing.topk_weights)
+    out = jnp.einsum(
+        "bted,bte->btd", y, combine.astype(y.dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """A dense SwiGLU MLP: w_gate, w_up [D, F], w_down [F, D] (the shared expert)."""
+
+    def __init__(self, d_model: int, d_ff: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        self.w_gate = nnx.Param(init(rngs.params(), (d_model, d_ff), cfg.param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (d_model, d_ff), cfg.param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), cfg.param_dtype))
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, D] in the compute dtype."""
+        dt = self.dtype
+        x = x.astype(dt)
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+
+
+class MoE(nnx.Module):
+    """Router + routed SwiGLU experts (+ optional shared expert with a sigmoid gate).
+
+    Weights: router [D, E]; w_gate, w_up [E, F, D]; w_down [E, D, F] (the Hugging Face per-expert
+    layout, contraction dim last); shared: SwiGLU [D, Fs] or None; shared_gate [D] or None.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        e, d, f, pd = cfg.n_experts, cfg.d_model, cfg.d_ff_expert, cfg.param_dtype
+        self.router = nnx.Param(init(rngs.params(), (d, e), pd))
+        self.w_gate = nnx.Param(init(rngs.params(), (e, f, d), pd))
+        self.w_up = nnx.Param(init(rngs.params(), (e, f, d), pd))
+        self.w_down = nnx.Param(init(rngs.params(), (e, d, f), pd))
+        has_shared = cfg.shared_expert_d_ff > 0
+        self.shared = SwiGLU(d, cfg.shared_expert_d_ff, cfg, rngs=rngs) if has_shared else None
+        gated = has_shared and cfg.shared_expert_gated
+        self.shared_gate = nnx.Param(init(rngs.params(), (d,), pd)) if gated else None
+        self.cfg = cfg
+
+    def router_logits(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, E] float32 (matmul in the compute dtype, float32 accumulation)."""
+        dt = self.cfg.dtype
+        return jnp.einsum(
+            "btd,de->bte",
+            x.astype(dt),
+            self.router[...].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        layer: int,
+        site: QuantSite = identity_site,
+        expert_choices: jax.Array | None = None,
+        valid: jax.Array | None = None,
+        impl: MoEImpl | str = MoEImpl.GROUPED,
+    ) -> tuple[jax.Array, Routing, jax.Array]:
+        """Mix `x [B, T, D]` through the experts.
+
+        Returns (y [B, T, D] in the compute dtype, routing, unscaled Switch aux loss over `valid`).
+        `expert_choices [B, T, K]` replays expert indices instead of the router's top-k.
+        """
+        cfg = self.cfg
+        dt = cfg.dtype
+        x = x.astype(dt)
+        routing = route(
+            self.router_logits(x),
+            top_k=cfg.top_k,
+            norm_topk_prob=cfg.norm_topk_prob,
+            expert_choices=expert_choices,
+        )
+        aux_loss = switch_aux_loss(routing, valid)
+        x_q = site(x, name=SiteName.EXPERT_IN, layer=layer)
+        w_gate = site(self.w_gate[...].astype(dt), name=SiteName.W_GATE, layer=layer)
+        w_up = site(self.w_up[...].astype(dt), name=SiteName.W_UP, layer=layer)
+        w_down = site(self.w_down[...].astype(dt), name=SiteName.W_DOWN, layer=layer)
+        impl = MoEImpl(impl)
+        experts = experts_grouped if impl == MoEImpl.GROUPED else experts_dense
+        y = experts(x_q, w_gate, w_up, w_down, routing, layer=layer, site=site)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                g = jnp.einsum(
+                    "btd,d->bt",
+                    x,
+                    self.shared_gate[...].astype(dt),
+                    preferred_element_type=jnp.float32,
+                )
+                shared = shared * jax.nn.sigmoid(g)[..., None].astype(dt)
+            y = y + shared
+        return y, routing, aux_loss

@@ -1,0 +1,374 @@
+"""Qwen3-MoE-style decoder in Flax NNX: full-sequence forward, cached prefill and decode.
+
+Axis legend: B batch, T time, S cache slots, D model, V vocab, L layers, E experts, K top-k.
+
+Block: `x += attn(norm(x)); x += moe(norm(x))`, then a final norm and the LM head. Parameters are
+stored in `cfg.param_dtype` and cast to `cfg.dtype` for compute; logits are float32.
+
+Aux dict returned by every forward (per layer stacked on a leading L axis):
+  "router_aux_loss": scalar float32, mean over layers of the unscaled Switch loss on valid tokens
+    (the trainer adds `cfg.router_aux_loss_coef * aux["router_aux_loss"]`).
+  "router_aux_loss_per_layer": [L] float32.
+  "topk_idx": [L, B, T, K] int32, the experts used (record these for routing replay).
+  "topk_weights": [L, B, T, K] float32, their combine weights.
+  "router_probs": [L, B, T, E] float32, the router softmax.
+
+Cache convention: see `trace_jax.models.attention` (right padding, slot == position).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.models.attention import (
+    Attention,
+    KVCache,
+    LayerKVCache,
+    RMSNorm,
+    cache_mask,
+    causal_mask,
+)
+from trace_jax.models.config import ModelConfig, QuantSite, identity_site
+from trace_jax.models.moe import MoE, MoEImpl, Routing
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention block and pre-norm MoE block, each with a residual connection."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.rms_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.moe = MoE(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        layer: int,
+        positions: jax.Array,
+        mask: jax.Array,
+        valid: jax.Array,
+        site: QuantSite,
+        expert_choices: jax.Array | None,
+        cache: LayerKVCache | None,
+        slots: jax.Array | None,
+        moe_impl: MoEImpl,
+    ) -> tuple[jax.Array, Routing, jax.Array, LayerKVCache | None]:
+        """x [B, T, D] -> (x [B, T, D], routing, aux loss, updated layer cache or None)."""
+        with jax.named_scope("attention"):
+            y, cache = self.attn(
+                self.attn_norm(x),
+                positions=positions,
+                mask=mask,
+                layer=layer,
+                site=site,
+                cache=cache,
+                slots=slots,
+            )
+            x = x + y
+        with jax.named_scope("moe"):
+            y, routing, aux_loss = self.moe(
+                self.mlp_norm(x),
+                layer=layer,
+                site=site,
+                expert_choices=expert_choices,
+                valid=valid,
+                impl=moe_impl,
+            )
+            x = x + y
+        return x, routing, aux_loss, cache
+
+
+class Qwen3MoE(nnx.Module):
+    """The decoder. Params: embed [V, D]; layers[i] (see DecoderLayer); final_norm; lm_head [D, V]
+    (None when `cfg.tie_embeddings`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        self.embed = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.param_dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(
+            cfg.d_model, eps=cfg.rms_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype
+        )
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nnx.Param(init(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.param_dtype))
+        )
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------------------- pieces
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> [B, T, D] in the compute dtype."""
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.dtype)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: [B, T, D] -> [B, T, V] float32."""
+        dt = self.cfg.dtype
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            return jnp.einsum(
+                "btd,vd->btv", x, self.embed[...].astype(dt), preferred_element_type=jnp.float32
+            )
+        return jnp.einsum(
+            "btd,dv->btv", x, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32
+        )
+
+    def _check_choices(self, expert_choices: jax.Array | None, b: int, t: int) -> None:
+        cfg = self.cfg
+        expected = (cfg.n_layers, b, t, cfg.top_k)
+        if expert_choices is not None and expert_choices.shape != expected:
+            raise ValueError(
+                f"expert_choices has shape {expert_choices.shape}, expected {expected} [L, B, T, K]"
+            )
+
+    def _run(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array,
+        mask: jax.Array,
+        valid: jax.Array,
+        site: QuantSite,
+        expert_choices: jax.Array | None,
+        caches: tuple[LayerKVCache, ...] | None,
+        slots: jax.Array | None,
+        moe_impl: MoEImpl,
+    ) -> tuple[jax.Array, dict[str, jax.Array], tuple[LayerKVCache, ...] | None]:
+        b, t = tokens.shape
+        self._check_choices(expert_choices, b, t)
+        x = self.embed_tokens(tokens)
+        routings, aux_losses, new_caches = [], [], []
+        for i, block in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, routing, aux_loss, cache = block(
+                    x,
+                    layer=i,
+                    positions=positions,
+                    mask=mask,
+                    valid=valid,
+                    site=site,
+                    expert_choices=None if expert_choices is None else expert_choices[i],
+                    cache=None if caches is None else caches[i],
+                    slots=slots,
+                    moe_impl=moe_impl,
+                )
+            routings.append(routing)
+            aux_losses.append(aux_loss)
+            new_caches.append(cache)
+        logits = self.logits(x)
+        per_layer = jnp.stack(aux_losses)
+        aux = {
+            "router_aux_loss": jnp.mean(per_layer),
+            "router_aux_loss_per_layer": per_layer,
+            "topk_idx": jnp.stack([r.topk_idx for r in routings]),
+            "topk_weights": jnp.stack([r.topk_weights for r in routings]),
+            "router_probs": jnp.stack([r.probs for r in routings]),
+        }
+        return logits, aux, None if caches is None else tuple(new_caches)
+
+    # ------------------------------------------------------------------------------ forward
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        site: QuantSite = identity_site,
+        expert_choices: jax.Array | None = None,
+        moe_impl: MoEImpl | str = MoEImpl.GROUPED,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Teacher-forced forward of `tokens [B, T]` (int32), without a cache.
+
+        mask [B, T] bool: real tokens (default all); padding may be on either side. Keys are
+          attended causally by slot and only where `mask` is set; padded queries give junk.
+        positions [B, T] int32: RoPE positions (default `cumsum(mask) - 1`, clipped at 0, so a
+          left-padded row gets the same positions as unpadded).
+        expert_choices [L, B, T, K] int32: routing replay.
+        Returns (logits [B, T, V] float32, aux dict; see the module docstring).
+        """
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        valid = jnp.ones(tokens.shape, jnp.bool_) if mask is None else jnp.asarray(mask, jnp.bool_)
+        if valid.shape != tokens.shape:
+            raise ValueError(f"mask shape {valid.shape} != tokens shape {tokens.shape}")
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
+        logits, aux, _ = self._run(
+            tokens,
+            positions=positions,
+            mask=causal_mask(valid),
+            valid=valid,
+            site=site,
+            expert_choices=expert_choices,
+            caches=None,
+            slots=None,
+            moe_impl=MoEImpl(moe_impl),
+        )
+        return logits, aux
+
+
+# ----------------------------------------------------------------------------- cached inference
+
+
+def prefill(
+    model: Qwen3MoE,
+    cache: KVCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    *,
+    site: QuantSite = identity_site,
+    expert_choices: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
+    """Append right-padded `tokens [B, T]` (the first `lengths[b]` real) to the cache.
+
+    Token t of sequence b goes to slot and position `cache.lengths[b] + t`; from an empty cache
+    this is the prompt prefill, otherwise a continuation (chunked prefill). Returns
+    (logits [B, T, V] float32, aux, cache with `lengths += lengths`). The next-token logits of
+    sequence b are `logits[b, lengths[b] - 1]`. The caller keeps `cache.lengths + lengths <=
+    cache.max_len` (writes past the end are dropped).
+    """
+    tokens = jnp.asarray(tokens)
+    b, t = tokens.shape
+    if b != cache.batch:
+        raise ValueError(f"tokens batch {b} != cache batch {cache.batch}")
+    if t > cache.max_len:
+        raise ValueError(f"{t} tokens do not fit a cache of max_len {cache.max_len}")
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B]=({b},), got shape {lengths.shape}")
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    new_lengths = cache.lengths + lengths
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    logits, aux, layers = model._run(
+        tokens,
+        positions=positions,
+        mask=cache_mask(positions, new_lengths, cache.max_len),
+        valid=valid,
+        site=site,
+        expert_choices=expert_choices,
+        caches=cache.layers,
+        slots=positions,
+        moe_impl=MoEImpl.GROUPED,
+    )
+    return logits, aux, KVCache(layers=layers, lengths=new_lengths)
+
+
+def decode_step(
+    model: Qwen3MoE,
+    cache: KVCache,
+    tokens: jax.Array,
+    *,
+    site: QuantSite = identity_site,
+    expert_choices: jax.Array | None = None,
+    active: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
+    """One token per sequence, `tokens [B]`, at slot and position `cache.lengths[b]`.
+
+    active [B] bool: sequences that advance (default all); an inactive one writes a masked slot
+    and keeps its length. expert_choices [L, B, 1, K] replays routing.
+    Returns (logits [B, V] float32, aux with T = 1, cache).
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"decode_step tokens must be [B], got shape {tokens.shape}")
+    n_new = jnp.ones(tokens.shape, jnp.int32) if active is None else jnp.asarray(active, jnp.int32)
+    logits, aux, cache = prefill(
+        model, cache, tokens[:, None], n_new, site=site, expert_choices=expert_choices
+    )
+    return logits[:, 0], aux, cache
+
+
+# ------------------------------------------------------------------------ jitted entry points
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "site", "moe_impl"))
+def forward_jit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    expert_choices: jax.Array | None = None,
+    *,
+    site: QuantSite = identity_site,
+    moe_impl: MoEImpl = MoEImpl.GROUPED,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`Qwen3MoE.__call__` of `nnx.merge(graphdef, params)`, jitted; `site` is static."""
+    model = nnx.merge(graphdef, params)
+    return model(
+        tokens,
+        mask=mask,
+        positions=positions,
+        site=site,
+        expert_choices=expert_choices,
+        moe_impl=moe_impl,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "site"), donate_argnames=("cache",))
+def prefill_jit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: KVCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    expert_choices: jax.Array | None = None,
+    *,
+    site: QuantSite = identity_site,
+) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
+    """`prefill` jitted on `(graphdef, params) = nnx.split(model)`; donates the cache."""
+    model = nnx.merge(graphdef, params)
+    return prefill(model, cache, tokens, lengths, site=site, expert_choices=expert_choices)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "site"), donate_argnames=("cache",))
+def decode_step_jit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: KVCache,
+    tokens: jax.Array,
+    expert_choices: jax.Array | None = None,
+    active: jax.Array | None = None,
+    *,
+    site: QuantSite = identity_site,
+) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
+    """`decode_step` jitted on `(graphdef, params) = nnx.split(model)`; donates the cache."""
+    model = nnx.merge(graphdef, params)
+    return decode_step(
+        model, cache, tokens, site=site, expert_choices=expert_choices, active=active
+    )
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def abstract_model(cfg: ModelConfig) -> Qwen3MoE:
+    """The model with `jax.ShapeDtypeStruct` leaves (nothing allocated), via `nnx.eval_shape`."""
+    return nnx.eval_shape(lambda: Qwen3MoE(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of `Qwen3MoE(cfg)`, from shapes only (safe at paper scale)."""
+    leaves = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))
+    return sum(int(x.size) for x in leaves)
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters touched per token: all but the (E - K) unused routed experts."""
+    per_expert = 3 * cfg.d_model * cfg.d_ff_expert
+    return param_count(cfg) - cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
+
+
+def init_model(cfg: ModelConfig, *, seed: int = 0) -> Qwen3MoE:
+    """A randomly initialized model."""
+    return Qwen3MoE(cfg, rngs=nnx.Rngs(seed))
