@@ -15,6 +15,7 @@ from trace_jax.fp4.formats import (
     get_format,
 )
 from trace_jax.fp4.guidance import Guidance, GuidanceMode, guidance_bits_per_element, make_guidance
+from trace_jax.fp4.metrics import mismatch_stats, signed_position
 from trace_jax.fp4.packing import pack_bits, pack_fp4, unpack_bits, unpack_fp4
 from trace_jax.fp4.qtensor import QTensor
 from trace_jax.fp4.quantize import Rounding, dequantize, quantize
@@ -37,10 +38,12 @@ __all__ = [
     "get_format",
     "guidance_bits_per_element",
     "make_guidance",
+    "mismatch_stats",
     "pack_bits",
     "pack_fp4",
     "quantize",
     "scales_to_float32",
+    "signed_position",
     "unpack_bits",
     "unpack_fp4",
 ]

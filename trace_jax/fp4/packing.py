@@ -38,7 +38,7 @@ _BIT_WEIGHTS = tuple(1 << j for j in range(8))
 
 
 def pack_bits(bits: jax.Array) -> jax.Array:
-    """Packs 0/1 values eight per byte, element 8i + j in bit j: `[..., N]` -> uint8 `[..., N/8]`."""
+    """Packs 0/1 values eight per byte (element 8i + j in bit j): `[..., N]` -> `[..., N/8]`."""
     _check_last_axis(bits, 8, "pack_bits")
     b = (bits.astype(jnp.uint8) & 1).reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8)
     return jnp.sum(b * jnp.asarray(_BIT_WEIGHTS, jnp.uint8), axis=-1, dtype=jnp.uint8)

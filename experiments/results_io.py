@@ -1,0 +1,72 @@
+"""One writer for experiment results: JSON (rows + metadata), a markdown table, provenance."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+def provenance() -> dict[str, str]:
+    """Date, device and the exact command that produced a result."""
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{dev.platform}: {getattr(dev, 'device_kind', str(dev))} x{jax.device_count()}",
+        "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),
+        "jax": jax.__version__,
+        "host": platform.machine(),
+    }
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else os.path.basename(sys.argv[0])
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str = ".4g") -> str:
+    """A markdown table of `columns` from `rows`; floats formatted with `fmt`."""
+
+    def cell(v: Any) -> str:
+        return format(v, fmt) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str,
+    rows: list[dict[str, Any]],
+    *,
+    title: str,
+    table: str,
+    notes: str = "",
+    outdir: str = RESULTS_DIR,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """Writes `<outdir>/<name>.json` and `.md`; returns their paths."""
+    os.makedirs(outdir, exist_ok=True)
+    meta = provenance()
+    payload = {"meta": meta, "rows": rows, **(extra or {})}
+    json_path = os.path.join(outdir, f"{name}.json")
+    md_path = os.path.join(outdir, f"{name}.md")
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1)
+    header = (
+        f"# {title}\n\n"
+        f"- Regenerate: `{meta['command']}`\n"
+        f"- Date: {meta['date']}; device: {meta['device']}; jax {meta['jax']}\n\n"
+    )
+    with open(md_path, "w") as f:
+        f.write(header + table + "\n" + (f"\n{notes}\n" if notes else ""))
+    return {"json": json_path, "md": md_path}
