@@ -187,7 +187,7 @@ class ModelConfig:
 
     @classmethod
     def small(cls, **overrides) -> ModelConfig:
-        """GPU RL model (~60M params, ~15M active): V=8192, D=512, L=8, E=32, K=4, F=128."""
+        """GPU RL model (~64M params, ~20M active): V=8192, D=512, L=8, E=32, K=4, F=128."""
         cfg = dataclasses.replace(
             cls.tiny(),
             vocab_size=8192,

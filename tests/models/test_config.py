@@ -1,0 +1,128 @@
+"""ModelConfig: validation, presets, Hugging Face config mapping, shape-only parameter counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from trace_jax.models import ModelConfig, abstract_model, active_param_count, param_count
+
+# Qwen3-30B-A3B config.json (the fields that matter), as published by Qwen.
+QWEN3_30B_A3B_HF = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def expected_param_count(cfg: ModelConfig) -> int:
+    d, h, n, c = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    attn = d * h * c * 2 + d * n * c * 2 + 2 * c
+    moe = d * cfg.n_experts + 3 * cfg.n_experts * cfg.d_ff_expert * d
+    if cfg.shared_expert_d_ff:
+        moe += 3 * d * cfg.shared_expert_d_ff + (d if cfg.shared_expert_gated else 0)
+    per_layer = attn + moe + 2 * d
+    head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+    return cfg.vocab_size * d + cfg.n_layers * per_layer + d + head
+
+
+def test_presets_sizes():
+    tiny, small = ModelConfig.tiny(), ModelConfig.small()
+    assert param_count(tiny) == expected_param_count(tiny) < 1_000_000
+    assert 10_000_000 < param_count(small) == expected_param_count(small) < 100_000_000
+    assert tiny.dtype == jnp.bfloat16 and tiny.param_dtype == jnp.float32
+
+
+def test_paper_preset_param_count_by_eval_shape():
+    cfg = ModelConfig.qwen3_5_35b_a3b()
+    abstract = abstract_model(cfg)
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert abstract.layers[0].moe.w_down.shape == (128, 2048, 768)
+    n = param_count(cfg)
+    assert n == expected_param_count(cfg)
+    assert 30.0e9 < n < 31.0e9  # Qwen3-30B-A3B: 30.5B total
+    assert 3.0e9 < active_param_count(cfg) < 3.6e9  # 3.3B active
+
+
+def test_presets_are_derived_and_overridable():
+    cfg = ModelConfig.small(dtype=jnp.float32, n_layers=2)
+    assert cfg.n_layers == 2 and cfg.dtype == jnp.float32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layers = 3  # type: ignore[misc]
+    assert hash(cfg) == hash(ModelConfig.small(dtype=jnp.float32, n_layers=2))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (dict(n_heads=6, n_kv_heads=4), "n_heads=6"),
+        (dict(top_k=9), "top_k=9"),
+        (dict(d_model=0), "d_model"),
+        (dict(vocab_size=-3), "vocab_size"),
+        (dict(n_layers=2.0), "n_layers"),
+        (dict(head_dim=15), "head_dim"),
+        (dict(shared_expert_d_ff=-1), "shared_expert_d_ff"),
+        (dict(rms_eps=0.0), "rms_eps"),
+        (dict(rope_theta=float("inf")), "rope_theta"),
+        (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef"),
+        (dict(dtype=jnp.int32), "dtype"),
+        (dict(param_dtype="not-a-dtype"), "param_dtype"),
+    ],
+)
+def test_invalid_configs_raise(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ModelConfig.tiny(**overrides)
+
+
+def test_from_hf_config_qwen3_30b():
+    cfg = ModelConfig.from_hf_config(QWEN3_30B_A3B_HF)
+    assert cfg == ModelConfig.qwen3_5_35b_a3b()
+
+
+def test_hf_config_round_trip():
+    cfg = ModelConfig.tiny(shared_expert_d_ff=32, tie_embeddings=True, norm_topk_prob=False)
+    back = ModelConfig.from_hf_config(cfg.to_hf_config())
+    assert back == cfg
+
+
+def test_from_hf_config_errors():
+    hf = dict(QWEN3_30B_A3B_HF)
+    del hf["num_experts"]
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_hf_config(hf)
+    hf = dict(QWEN3_30B_A3B_HF, mlp_only_layers=[0, 1], rope_scaling={"type": "yarn"})
+    with pytest.raises(ValueError, match=r"mlp_only_layers.*rope_scaling"):
+        ModelConfig.from_hf_config(hf)
+    hf = dict(QWEN3_30B_A3B_HF, num_experts_per_tok=200)
+    with pytest.raises(ValueError, match="top_k=200"):
+        ModelConfig.from_hf_config(hf)

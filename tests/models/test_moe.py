@@ -1,0 +1,120 @@
+"""Router, Switch aux loss and routed experts: grouped (ragged_dot) path vs the dense reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.models import ModelConfig, MoE, Routing, route, switch_aux_loss
+
+B, T = 2, 5
+
+
+@pytest.fixture(autouse=True)
+def highest_matmul_precision():
+    """Exact float32 matmuls on every backend (GPUs default to TF32-like precision)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def make_moe(**overrides) -> tuple[ModelConfig, MoE, jax.Array]:
+    cfg = ModelConfig.tiny(dtype=jnp.float32, init_std=0.1, **overrides)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.d_model), jnp.float32)
+    return cfg, moe, x
+
+
+def smooth_site(x, *, name, layer):
+    """A nonlinear, order-sensitive stand-in for a quantizer (no rounding, so no flaky ties)."""
+    return x + 0.1 * jnp.tanh(x * (layer + 1)) + 0.01 * len(name)
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+@pytest.mark.parametrize("site", [None, smooth_site])
+def test_grouped_matches_dense(shared, site):
+    _, moe, x = make_moe(shared_expert_d_ff=shared)
+    kw = {} if site is None else {"site": site}
+    y_g, r_g, aux_g = moe(x, layer=1, impl="grouped", **kw)
+    y_d, r_d, aux_d = moe(x, layer=1, impl="dense", **kw)
+    np.testing.assert_array_equal(r_g.topk_idx, r_d.topk_idx)
+    np.testing.assert_allclose(y_g, y_d, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(aux_g, aux_d)
+    assert float(jnp.abs(y_g).max()) > 1e-3
+
+
+def test_grouped_matches_dense_with_empty_experts():
+    _, moe, x = make_moe()
+    choices = jnp.stack([jnp.zeros((B, T), jnp.int32), jnp.full((B, T), 5, jnp.int32)], -1)
+    y_g, r, _ = moe(x, layer=0, expert_choices=choices, impl="grouped", site=smooth_site)
+    y_d, _, _ = moe(x, layer=0, expert_choices=choices, impl="dense", site=smooth_site)
+    np.testing.assert_array_equal(r.topk_idx, choices)
+    np.testing.assert_allclose(y_g, y_d, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_mid_is_in_token_slot_order():
+    """The "expert_mid" site sees h[b, t, k] = silu(x W_gate[e]^T) * (x W_up[e]^T), e = idx."""
+    cfg, moe, x = make_moe()
+    seen = {}
+
+    def record(v, *, name, layer):
+        seen[name] = v
+        return v
+
+    _, routing, _ = moe(x, layer=0, site=record)
+    e = routing.topk_idx  # [B, T, K]
+    wg, wu = moe.w_gate[...][e], moe.w_up[...][e]  # [B, T, K, F, D]
+    h = jax.nn.silu(jnp.einsum("btd,btkfd->btkf", x, wg)) * jnp.einsum("btd,btkfd->btkf", x, wu)
+    assert seen["expert_mid"].shape == (B, T, cfg.top_k, cfg.d_ff_expert)
+    np.testing.assert_allclose(seen["expert_mid"], h, rtol=1e-5, atol=1e-6)
+    assert seen["w_gate"].shape == seen["w_up"].shape == (8, cfg.d_ff_expert, cfg.d_model)
+    assert seen["w_down"].shape == (8, cfg.d_model, cfg.d_ff_expert)
+    assert seen["expert_in"].shape == (B, T, cfg.d_model)
+
+
+def test_replay_of_own_choices_is_exact():
+    _, moe, x = make_moe(shared_expert_d_ff=16)
+    y, routing, aux = moe(x, layer=0)
+    y2, routing2, aux2 = moe(x, layer=0, expert_choices=routing.topk_idx)
+    np.testing.assert_array_equal(y, y2)
+    np.testing.assert_array_equal(routing.topk_weights, routing2.topk_weights)
+    np.testing.assert_array_equal(aux, aux2)
+
+
+def test_replay_other_choices_uses_router_probs():
+    cfg, moe, x = make_moe()
+    _, routing, _ = moe(x, layer=0)
+    other = (routing.topk_idx + 3) % cfg.n_experts
+    _, replay, _ = moe(x, layer=0, expert_choices=other)
+    np.testing.assert_array_equal(replay.topk_idx, other)
+    p = jnp.take_along_axis(routing.probs, other, axis=-1)
+    np.testing.assert_allclose(replay.topk_weights, p / p.sum(-1, keepdims=True), rtol=1e-6)
+    with pytest.raises(ValueError, match="expert_choices has shape"):
+        moe(x, layer=0, expert_choices=other[..., :1])
+
+
+def test_route_topk_and_normalization():
+    logits = jnp.array([[[2.0, 1.0, 0.5, -1.0]]])
+    probs = jax.nn.softmax(logits, -1)
+    r = route(logits, top_k=2, norm_topk_prob=False)
+    np.testing.assert_array_equal(r.topk_idx, [[[0, 1]]])
+    np.testing.assert_allclose(r.topk_weights, probs[..., :2], rtol=1e-6)
+    r = route(logits, top_k=2, norm_topk_prob=True)
+    np.testing.assert_allclose(r.topk_weights.sum(-1), 1.0, rtol=1e-6)
+    assert r.topk_idx.dtype == jnp.int32
+
+
+def test_switch_aux_loss():
+    n_experts, k = 4, 2
+    uniform = Routing(
+        topk_idx=jnp.array([[[0, 1], [2, 3]]], jnp.int32),
+        topk_weights=jnp.full((1, 2, k), 0.5),
+        probs=jnp.full((1, 2, n_experts), 1 / n_experts),
+    )
+    np.testing.assert_allclose(switch_aux_loss(uniform), k, rtol=1e-6)
+    # Collapsed routing with confident probabilities: E * (1 * p0 + 1 * p1).
+    probs = jnp.array([[[0.6, 0.3, 0.05, 0.05], [0.6, 0.3, 0.05, 0.05], [0.0, 0.0, 0.0, 1.0]]])
+    idx = jnp.array([[[0, 1], [0, 1], [3, 2]]], jnp.int32)
+    r = Routing(topk_idx=idx, topk_weights=jnp.ones((1, 3, k)), probs=probs)
+    valid = jnp.array([[True, True, False]])
+    np.testing.assert_allclose(switch_aux_loss(r, valid), n_experts * (0.6 + 0.3), rtol=1e-6)

@@ -1,0 +1,81 @@
+"""FP4 KV cache: K and V stored as packed codes plus block scales (4.25-4.5 bits per element).
+
+Writes quantize the raw K/V per token and head (blocks along head_dim) with round-to-nearest, the
+same `trace_jax.fp4.quantize` call the rollout's "k"/"v" sites make, so the cache holds exactly the
+codes the guidance records. Reads dequantize to the compute dtype (the Pallas decode-attention
+kernel reads the packed bytes directly instead).
+
+Axis legend: B batch, S slots, Hkv kv heads, Dh head dim, NB = Dh / block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+from trace_jax.fp4 import BlockFormat, QTensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedTensorCache:
+    """One of K or V: codes uint8 [B, S, Hkv, Dh // 2] (two per byte), scales [B, S, Hkv, NB]
+    in the format's scale dtype, global_scale float32 [B, S, Hkv, 1] (NVFP4) or None."""
+
+    codes: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array | None
+    fmt: BlockFormat = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], fmt: BlockFormat) -> PackedTensorCache:
+        b, s, h, d = shape
+        if not fmt.is_fp4:
+            raise ValueError(f"the packed KV cache stores FP4; got {fmt.name}")
+        if d % fmt.block_size:
+            raise ValueError(
+                f"head_dim {d} is not a multiple of the {fmt.name} block {fmt.block_size}"
+            )
+        return cls(
+            codes=jnp.zeros((b, s, h, d // 2), jnp.uint8),
+            scales=jnp.zeros((b, s, h, d // fmt.block_size), fmt.scale_dtype),
+            global_scale=jnp.ones((b, s, h, 1), jnp.float32) if fmt.has_global_scale else None,
+            fmt=fmt,
+        )
+
+    def write(self, x: jax.Array, slots: jax.Array) -> PackedTensorCache:
+        """Quantizes `x [B, T, Hkv, Dh]` (RTN) into `slots [B, T]` (out of range: dropped)."""
+        q = fp4.quantize(x, self.fmt)
+        b = jnp.arange(x.shape[0])[:, None]
+
+        def put(buf, val):
+            return buf.at[b, slots].set(val, mode="drop")
+
+        return PackedTensorCache(
+            codes=put(self.codes, fp4.pack_fp4(q.codes)),
+            scales=put(self.scales, q.scales),
+            global_scale=None if q.global_scale is None else put(self.global_scale, q.global_scale),
+            fmt=self.fmt,
+        )
+
+    def read(self, dtype) -> jax.Array:
+        """All slots dequantized: [B, S, Hkv, Dh] in `dtype`."""
+        q = QTensor(fp4.unpack_fp4(self.codes), self.scales, self.global_scale, self.fmt)
+        return fp4.dequantize(q, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        leaves = [self.codes, self.scales, self.global_scale]
+        return sum(int(a.size) * a.dtype.itemsize for a in leaves if a is not None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedLayerKVCache:
+    """One layer's FP4 cache; the packed twin of `LayerKVCache`."""
+
+    k: PackedTensorCache
+    v: PackedTensorCache
