@@ -93,3 +93,14 @@ def test_errors_are_clear():
     bad = fp4.QTensor(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 3), jnp.uint8), None, fp4.MXFP4)
     with pytest.raises(ValueError, match="do not match"):
         bad.validate()
+
+
+def test_to_compact_equals_compact_from_qtensor():
+    x = jax.random.normal(jax.random.key(3), (2, 3, 64))
+    q = fp4.quantize(x, "nvfp4")
+    a = fp4.to_compact(fp4.make_guidance(q, "full"))
+    b = fp4.make_guidance(q, "compact")
+    assert a.mode == b.mode == fp4.GuidanceMode.COMPACT
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+    assert fp4.to_compact(b) is b

@@ -52,7 +52,7 @@ def continuation(seqs: jax.Array, step: int) -> jax.Array:
     return seqs[np.arange(len(LENGTHS)), LENGTHS + step]
 
 
-def kv_site(x, *, name, layer):
+def kv_site(x, *, name, layer, experts=None):
     return x * 1.3 + 0.05 * (layer + 1) if name in ("k", "v") else x
 
 
@@ -91,7 +91,7 @@ def test_chunked_prefill_and_decode_sites(model, seqs):
     np.testing.assert_allclose(logits[0], ref[0, 3:5], **TOL)
     calls = []
 
-    def record(x, *, name, layer):
+    def record(x, *, name, layer, experts=None):
         calls.append((str(name), layer, tuple(x.shape)))
         return x
 

@@ -50,7 +50,7 @@ def test_forward_shapes_and_dtypes(tokens):
 def test_sites_called_with_documented_names_and_shapes(model, tokens):
     calls = []
 
-    def record(x, *, name, layer):
+    def record(x, *, name, layer, experts=None):
         assert isinstance(layer, int) and isinstance(name, str)
         calls.append((str(name), layer, tuple(x.shape), x.dtype))
         return x
@@ -75,7 +75,7 @@ def test_sites_called_with_documented_names_and_shapes(model, tokens):
     assert collections.Counter(calls) == want
 
 
-def scale_one_site(x, *, name, layer, target):
+def scale_one_site(x, *, name, layer, target, experts=None):
     return x * 1.5 if name == target and layer == 2 else x
 
 

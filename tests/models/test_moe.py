@@ -25,7 +25,7 @@ def make_moe(**overrides) -> tuple[ModelConfig, MoE, jax.Array]:
     return cfg, moe, x
 
 
-def smooth_site(x, *, name, layer):
+def smooth_site(x, *, name, layer, experts=None):
     """A nonlinear, order-sensitive stand-in for a quantizer (no rounding, so no flaky ties)."""
     return x + 0.1 * jnp.tanh(x * (layer + 1)) + 0.01 * len(name)
 
@@ -57,7 +57,7 @@ def test_expert_mid_is_in_token_slot_order():
     cfg, moe, x = make_moe()
     seen = {}
 
-    def record(v, *, name, layer):
+    def record(v, *, name, layer, experts=None):
         seen[name] = v
         return v
 

@@ -14,7 +14,13 @@ from trace_jax.fp4.formats import (
     ScaleType,
     get_format,
 )
-from trace_jax.fp4.guidance import Guidance, GuidanceMode, guidance_bits_per_element, make_guidance
+from trace_jax.fp4.guidance import (
+    Guidance,
+    GuidanceMode,
+    guidance_bits_per_element,
+    make_guidance,
+    to_compact,
+)
 from trace_jax.fp4.metrics import mismatch_stats, signed_position
 from trace_jax.fp4.packing import pack_bits, pack_fp4, unpack_bits, unpack_fp4
 from trace_jax.fp4.qtensor import QTensor
@@ -44,6 +50,7 @@ __all__ = [
     "quantize",
     "scales_to_float32",
     "signed_position",
+    "to_compact",
     "unpack_bits",
     "unpack_fp4",
 ]

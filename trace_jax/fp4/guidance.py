@@ -131,3 +131,12 @@ def guidance_bits_per_element(
     if fmt.has_global_scale and row_length is not None:
         bits += 32 / row_length
     return float(bits)
+
+
+def to_compact(g: Guidance) -> Guidance:
+    """Compact guidance (mantissa bits + scales) from full guidance; compact passes through."""
+    if g.mode is GuidanceMode.COMPACT:
+        return g
+    return Guidance(
+        pack_bits(g.mantissa_bits()), g.scales, g.global_scale, g.mask, g.fmt, GuidanceMode.COMPACT
+    )

@@ -24,6 +24,7 @@ from trace_jax.models.moe import (
     route,
     switch_aux_loss,
 )
+from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
 from trace_jax.models.qwen3_moe import (
     DecoderLayer,
     Qwen3MoE,
@@ -46,6 +47,8 @@ __all__ = [
     "MoE",
     "MoEImpl",
     "ModelConfig",
+    "PackedLayerKVCache",
+    "PackedTensorCache",
     "QuantSite",
     "Qwen3MoE",
     "RMSNorm",

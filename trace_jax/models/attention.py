@@ -18,7 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax import fp4
+from trace_jax.fp4 import BlockFormat
 from trace_jax.models.config import ModelConfig, QuantSite, SiteName
+from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -74,7 +77,7 @@ class KVCache:
     responsibility (writes past `max_len` are dropped).
     """
 
-    layers: tuple[LayerKVCache, ...]
+    layers: tuple[LayerKVCache | PackedLayerKVCache, ...]
     lengths: jax.Array
 
     @property
@@ -86,20 +89,53 @@ class KVCache:
         return self.layers[0].k.shape[1]
 
 
-def init_cache(cfg: ModelConfig, *, batch: int, max_len: int) -> KVCache:
-    """An empty cache of `max_len` slots for `batch` sequences (zeros, lengths 0)."""
+def init_cache(
+    cfg: ModelConfig, *, batch: int, max_len: int, kv_format: str | BlockFormat | None = None
+) -> KVCache:
+    """An empty cache of `max_len` slots for `batch` sequences (lengths 0).
+
+    kv_format: None for a cache in the compute dtype, or an FP4 format ("nvfp4", "mxfp4") for a
+    packed FP4 cache (`PackedLayerKVCache`: codes two per byte plus block scales).
+    """
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got {batch}, {max_len}")
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    layers = tuple(
-        LayerKVCache(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
-        for _ in range(cfg.n_layers)
-    )
+    if kv_format is not None:
+        fmt = fp4.get_format(kv_format)
+        layers = tuple(
+            PackedLayerKVCache(
+                k=PackedTensorCache.empty(shape, fmt), v=PackedTensorCache.empty(shape, fmt)
+            )
+            for _ in range(cfg.n_layers)
+        )
+    else:
+        layers = tuple(
+            LayerKVCache(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
+            for _ in range(cfg.n_layers)
+        )
     return KVCache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def cache_write(cache: LayerKVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> LayerKVCache:
-    """Write k, v [B, T, Hkv, Dh] at `slots [B, T]` (int32); out-of-range slots are dropped."""
+def cache_write(
+    cache: LayerKVCache | PackedLayerKVCache,
+    k: jax.Array,
+    v: jax.Array,
+    slots: jax.Array,
+    *,
+    k_raw: jax.Array | None = None,
+    v_raw: jax.Array | None = None,
+) -> LayerKVCache | PackedLayerKVCache:
+    """Write k, v [B, T, Hkv, Dh] at `slots [B, T]` (int32); out-of-range slots are dropped.
+
+    A packed FP4 cache quantizes `k_raw`/`v_raw` (the values before the "k"/"v" sites) itself, with
+    round-to-nearest: the same computation as an FP4 rollout's site, so it stores exactly the codes
+    the site produced (re-quantizing dequantized NVFP4 values would not reproduce them).
+    """
+    if isinstance(cache, PackedLayerKVCache):
+        return PackedLayerKVCache(
+            k=cache.k.write(k if k_raw is None else k_raw, slots),
+            v=cache.v.write(v if v_raw is None else v_raw, slots),
+        )
     b = jnp.arange(k.shape[0])[:, None]
     return LayerKVCache(
         k=cache.k.at[b, slots].set(k.astype(cache.k.dtype), mode="drop"),
@@ -107,8 +143,10 @@ def cache_write(cache: LayerKVCache, k: jax.Array, v: jax.Array, slots: jax.Arra
     )
 
 
-def cache_read(cache: LayerKVCache) -> tuple[jax.Array, jax.Array]:
-    """All slots of k, v [B, S, Hkv, Dh] in the compute dtype."""
+def cache_read(cache: LayerKVCache | PackedLayerKVCache, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """All slots of k, v [B, S, Hkv, Dh] (a packed cache is dequantized to `dtype`)."""
+    if isinstance(cache, PackedLayerKVCache):
+        return cache.k.read(dtype), cache.v.read(dtype)
     return cache.k, cache.v
 
 
@@ -174,13 +212,14 @@ class Attention(nnx.Module):
         cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
+        k_raw, v_raw = k, v
         k = site(k, name=SiteName.K, layer=layer)
         v = site(v, name=SiteName.V, layer=layer)
         if cache is not None:
             if slots is None:
                 raise ValueError("Attention with a cache needs `slots` [B, T]")
-            cache = cache_write(cache, k, v, slots)
-            k, v = cache_read(cache)
+            cache = cache_write(cache, k, v, slots, k_raw=k_raw, v_raw=v_raw)
+            k, v = cache_read(cache, dt)
         b, t = q.shape[:2]
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]
         scores = jnp.einsum(

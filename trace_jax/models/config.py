@@ -18,6 +18,8 @@ model calls it at exactly the places that TRACE quantizes (SPEC section 3) and n
 | `v`          | attention values                         | [B, T, Hkv, Dh] | Dh (last)      |
 
 Each site is called once per layer and forward call; `layer` is a Python int in [0, n_layers).
+"expert_mid" is also given `experts=` the int32 [B, T, K] expert id of each slot, so that a site
+can align per-slot data (the rollout's guidance) with the slots of this forward.
 Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
 """
 
@@ -48,12 +50,16 @@ class SiteName(enum.StrEnum):
 class QuantSite(Protocol):
     """A quantization hook: returns an array of the same shape and dtype as `x`."""
 
-    def __call__(self, x: jax.Array, *, name: str, layer: int) -> jax.Array: ...
+    def __call__(
+        self, x: jax.Array, *, name: str, layer: int, experts: jax.Array | None = None
+    ) -> jax.Array: ...
 
 
-def identity_site(x: jax.Array, *, name: str, layer: int) -> jax.Array:
+def identity_site(
+    x: jax.Array, *, name: str, layer: int, experts: jax.Array | None = None
+) -> jax.Array:
     """The default site: no quantization."""
-    del name, layer
+    del name, layer, experts
     return x
 
 

@@ -126,7 +126,7 @@ def experts_grouped(
     if site is not identity_site:  # the site sees (token, slot) order; skip two gathers if no-op
         f = h.shape[-1]
         h_tok = h[inverse].reshape(b, t, top_k, f)
-        h_tok = site(h_tok, name=SiteName.EXPERT_MID, layer=layer)
+        h_tok = site(h_tok, name=SiteName.EXPERT_MID, layer=layer, experts=routing.topk_idx)
         h = h_tok.reshape(m, f)[order]
     y_sorted = jax.lax.ragged_dot(h, _swap_last(w_down), group_sizes)  # [M, D]
     y = y_sorted[inverse].reshape(b, t, top_k, d)
@@ -154,7 +154,7 @@ def experts_dense(
     onehot = jax.nn.one_hot(routing.topk_idx, n_experts, dtype=h.dtype)  # [B, T, K, E]
     if site is not identity_site:
         h_sel = jnp.take_along_axis(h, routing.topk_idx[..., None], axis=2)  # [B, T, K, F]
-        h_sel = site(h_sel, name=SiteName.EXPERT_MID, layer=layer)
+        h_sel = site(h_sel, name=SiteName.EXPERT_MID, layer=layer, experts=routing.topk_idx)
         keep = 1 - jnp.sum(onehot, axis=2)  # [B, T, E]: 0 on selected experts
         h = h * keep[..., None] + jnp.einsum("btke,btkf->btef", onehot, h_sel)
     y = jnp.einsum("btef,edf->bted", h, w_down)  # [B, T, E, D]

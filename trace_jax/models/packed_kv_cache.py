@@ -67,6 +67,12 @@ class PackedTensorCache:
         return fp4.dequantize(q, dtype)
 
     @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Shape of the cached tensor [B, S, Hkv, Dh] (not of the packed bytes)."""
+        b, s, h, half = self.codes.shape
+        return (b, s, h, 2 * half)
+
+    @property
     def nbytes(self) -> int:
         leaves = [self.codes, self.scales, self.global_scale]
         return sum(int(a.size) * a.dtype.itemsize for a in leaves if a is not None)

@@ -1,0 +1,282 @@
+r"""The train-rollout gap, measured: FP4 rollout vs teacher-forced training forward per mode.
+
+Samples with an FP4 W/A/KV rollout (token-by-token decode over a packed FP4 KV cache, recording
+full codes at every site for diagnostics), then recomputes the log-probs of the sampled tokens with
+the training forward (one teacher-forced pass over prompt + response) in each mode: `rtn` (vanilla
+FP4 QAT), `guided` with full and with compact guidance (at `--guidance_layers`), each with and
+without routing replay; `off` on a BF16 rollout is the reference pair.
+
+  python -m experiments.train_rollout_gap                      # tiny preset, CPU, < 5 min
+  python -m experiments.train_rollout_gap --preset=small --batch=16 --max_new=256   # GPU
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import results_io
+from trace_jax import fp4
+from trace_jax.models import ModelConfig, init_model
+from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.quant.config import GUIDABLE_SITES
+from trace_jax.rollout import SamplingConfig, generate
+from trace_jax.train import train_forward
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small"], "model preset")
+_FORMATS = flags.DEFINE_enum(
+    "formats", "nvfp4", ["nvfp4", "mxfp4_w4a4", "mxfp4_w4a8"], "FP4 recipe (W/A/KV)"
+)
+_LAYERS = flags.DEFINE_string(
+    "guidance_layers", "half", "guided layers: half | quarter | eighth | all | comma list"
+)
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+_BATCH = flags.DEFINE_integer("batch", 8, "sequences")
+_PROMPT = flags.DEFINE_integer("prompt_len", 16, "max prompt length (lengths vary per row)")
+_MAX_NEW = flags.DEFINE_integer("max_new", 48, "new tokens per sequence")
+_TEMP = flags.DEFINE_float("temperature", 1.0, "sampling temperature")
+_INIT_STD = flags.DEFINE_float(
+    "init_std", 0.08, "initializer std of the random policy (larger: peakier distributions)"
+)
+_OUTDIR = flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+_NAME = flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
+
+
+def guided_layers(spec: str, n_layers: int) -> tuple[int, ...]:
+    """Layers from a flag value: half / quarter / eighth (the deepest fraction), all, or a list."""
+    fractions = {"all": 1, "half": 2, "quarter": 4, "eighth": 8}
+    if spec in fractions:
+        n = max(1, n_layers // fractions[spec])
+        return tuple(range(n_layers - n, n_layers))
+    try:
+        layers = tuple(int(s) for s in spec.split(","))
+    except ValueError:
+        raise app.UsageError(f"--guidance_layers: bad value {spec!r}") from None
+    return layers
+
+
+def recipe(name: str, layers: tuple[int, ...]) -> QuantConfig:
+    make = {
+        "nvfp4": QuantConfig.nvfp4,
+        "mxfp4_w4a4": QuantConfig.mxfp4_w4a4,
+        "mxfp4_w4a8": QuantConfig.mxfp4_w4a8,
+    }[name]
+    return make(guided_layers=layers)
+
+
+def gap_metrics(lp_train, lp_roll, mask) -> dict[str, float]:
+    """Mean/max |logp gap| and KL(rollout || train) per token (k3 estimator on the samples)."""
+    m = np.asarray(mask)
+    d = (np.asarray(lp_train, np.float64) - np.asarray(lp_roll, np.float64))[m]
+    kl = np.exp(d) - 1.0 - d  # unbiased, non-negative estimate of KL(rollout || train)
+    return {
+        "logp_gap_mean": float(np.mean(np.abs(d))),
+        "logp_gap_max": float(np.max(np.abs(d))),
+        "kl": float(np.mean(kl)),
+    }
+
+
+def router_agreement(train_experts, roll_experts, processed) -> float:
+    """Mean fraction of the rollout's top-k experts the trainer also picked, per processed token."""
+    t = np.asarray(train_experts)
+    r = np.asarray(roll_experts)
+    same = (t[..., :, None] == r[..., None, :]).any(-1).mean(-1)  # [L, B, S]
+    m = np.broadcast_to(np.asarray(processed), same.shape)
+    return float(same[m].mean())
+
+
+def main(argv):
+    del argv
+    cfg = ModelConfig.tiny() if _PRESET.value == "tiny" else ModelConfig.small()
+    cfg = cfg.__class__(**{**cfg.__dict__, "init_std": _INIT_STD.value})
+    layers = guided_layers(_LAYERS.value, cfg.n_layers)
+    qcfg = recipe(_FORMATS.value, layers)
+    key = jax.random.key(_SEED.value)
+    k_prompt, k_len, k_sample = jax.random.split(key, 3)
+    model = init_model(cfg, seed=_SEED.value)
+    graphdef, params = nnx.split(model)
+
+    b, p = _BATCH.value, _PROMPT.value
+    prompts = jax.random.randint(k_prompt, (b, p), 1, cfg.vocab_size, jnp.int32)
+    prompt_lengths = jax.random.randint(k_len, (b,), max(1, p // 2), p + 1, jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value)
+    all_keys = qcfg.all_keys(cfg.n_layers)
+    guided_keys = qcfg.guided_keys(cfg.n_layers)
+
+    logging.info("BF16 rollout + BF16 training forward (reference pair)")
+    roll_bf16 = generate(
+        graphdef,
+        params,
+        prompts,
+        prompt_lengths,
+        k_sample,
+        sampling=sampling,
+        qcfg=qcfg,
+        mode=SiteMode.OFF,
+    )
+    fwd = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay", "temperature"))
+    off = fwd(model, roll_bf16, qcfg=qcfg, mode=SiteMode.OFF, temperature=_TEMP.value)
+    rows = [
+        {
+            "mode": "off (bf16 pair)",
+            "replay": False,
+            **gap_metrics(off.logprobs, roll_bf16.logprobs, roll_bf16.response_mask),
+            "code_mismatch": float("nan"),
+            "one_apart_fraction": float("nan"),
+            "router_agreement": router_agreement(
+                off.expert_choices, roll_bf16.expert_choices, roll_bf16.processed
+            ),
+            "guidance_bytes_per_token": 0.0,
+        }
+    ]
+
+    logging.info("FP4 rollout, capturing full codes at every site")
+    roll = generate(
+        graphdef,
+        params,
+        prompts,
+        prompt_lengths,
+        k_sample,
+        sampling=sampling,
+        qcfg=qcfg,
+        mode=SiteMode.RTN,
+        capture=all_keys,
+        capture_mode=fp4.GuidanceMode.FULL,
+    )
+    reference = roll.guidance
+    full = {k: reference[k] for k in guided_keys}
+    compact = {k: fp4.to_compact(g) for k, g in full.items()}
+    # Bytes actually held per processed token (the buffers' padding slots are not counted).
+    slots = roll.tokens.shape[0] * roll.tokens.shape[1]
+    bytes_per_token = {
+        "full": sum(g.nbytes for g in full.values()) / slots,
+        "compact": sum(g.nbytes for g in compact.values()) / slots,
+    }
+
+    per_layer = {}
+    for label, mode, guidance, gbytes in [
+        ("rtn", SiteMode.RTN, None, 0.0),
+        ("guided full", SiteMode.GUIDED, full, bytes_per_token["full"]),
+        ("guided compact", SiteMode.GUIDED, compact, bytes_per_token["compact"]),
+    ]:
+        for replay in (False, True):
+            out = fwd(
+                model,
+                roll,
+                qcfg=qcfg,
+                mode=mode,
+                replay=replay,
+                guidance=guidance,
+                reference=reference,
+                temperature=_TEMP.value,
+            )
+            guided_stats = [out.stats[k] for k in guided_keys]
+            n_el = sum(int(s["n_elements"]) for s in guided_stats)
+            n_mis = sum(int(s["n_mismatch"]) for s in guided_stats)
+            n_one = sum(int(s["n_one_apart"]) for s in guided_stats)
+            fallback = sum(int(c["rows"]) - int(c["guided_rows"]) for c in out.coverage.values())
+            rows.append(
+                {
+                    "mode": label,
+                    "replay": replay,
+                    **gap_metrics(out.logprobs, roll.logprobs, roll.response_mask),
+                    "code_mismatch": n_mis / max(n_el, 1),
+                    "one_apart_fraction": n_one / n_mis if n_mis else float("nan"),
+                    "router_agreement": router_agreement(
+                        out.expert_choices, roll.expert_choices, roll.processed
+                    ),
+                    "guidance_bytes_per_token": gbytes,
+                    "rtn_fallback_rows": fallback,
+                }
+            )
+            per_layer[(label, replay)] = {k: float(s["mismatch"]) for k, s in out.stats.items()}
+            logging.info("%s replay=%s: %s", label, replay, rows[-1])
+
+    cols = [
+        "mode",
+        "replay",
+        "logp_gap_mean",
+        "logp_gap_max",
+        "kl",
+        "code_mismatch",
+        "one_apart_fraction",
+        "router_agreement",
+        "guidance_bytes_per_token",
+    ]
+    table = results_io.markdown_table(rows, cols)
+    site_rows = []
+    for (label, replay), stats in per_layer.items():
+        for layer in range(cfg.n_layers):
+            for s in GUIDABLE_SITES:
+                key = f"{layer}/{s}"
+                if key in stats:
+                    site_rows.append(
+                        {
+                            "mode": label,
+                            "replay": replay,
+                            "layer": layer,
+                            "site": s,
+                            "code_mismatch": stats[key],
+                        }
+                    )
+    notes = (
+        f"Preset `{_PRESET.value}` (random init, std {_INIT_STD.value}), recipe "
+        f"`{_FORMATS.value}`, guided layers {list(layers)} of {cfg.n_layers}, batch {b}, prompts "
+        f"of {p // 2}-{p} random tokens, {_MAX_NEW.value} new tokens at temperature "
+        f"{_TEMP.value}. `code_mismatch`: fraction of the trainer's codes at the guided sites "
+        "that differ from the rollout's (expert_mid compared on slots whose expert both sides "
+        "used); `one_apart_fraction`: of those mismatches, the share one adjacent code apart. "
+        "`kl`: KL(rollout || train) per response token, k3 estimator on the sampled tokens. "
+        "`guidance_bytes_per_token`: guidance held per token slot for the guided sites."
+    )
+    paths = results_io.write_results(
+        _NAME.value,
+        rows,
+        title="Train-rollout gap: FP4 rollout vs training forward",
+        table=table,
+        notes=notes + f"\n\n![per-layer mismatch]({_NAME.value}.png)",
+        outdir=_OUTDIR.value,
+        extra={"per_site": site_rows},
+    )
+    plot_per_layer(
+        site_rows, cfg.n_layers, layers, os.path.join(_OUTDIR.value, f"{_NAME.value}.png")
+    )
+    print(table)
+    print(f"\nwrote {paths['md']} and {paths['json']}")
+
+
+def plot_per_layer(site_rows, n_layers, layers, path):
+    fig, axes = plt.subplots(
+        1, len(GUIDABLE_SITES), figsize=(4 * len(GUIDABLE_SITES), 3.5), sharey=True
+    )
+    for ax, site in zip(axes, GUIDABLE_SITES, strict=True):
+        for label in ("rtn", "guided full", "guided compact"):
+            rs = [r for r in site_rows if r["site"] == site and r["mode"] == label and r["replay"]]
+            if rs:
+                ax.plot(
+                    [r["layer"] for r in rs],
+                    [max(r["code_mismatch"], 1e-7) for r in rs],
+                    "o-",
+                    label=label,
+                )
+        ax.axvspan(min(layers) - 0.5, max(layers) + 0.5, color="k", alpha=0.06)
+        ax.set(title=f"{site} (replay on)", xlabel="layer", yscale="log")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("code mismatch vs rollout (0 at 1e-7)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,64 @@
+"""QuantSites and the expert-slot alignment of guidance."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import fp4
+from trace_jax.quant import QuantConfig, QuantSites, SiteMode, align_expert_guidance
+
+
+def test_align_expert_guidance_permutes_slots_and_masks_missing_experts():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4, 32))  # [B, T, K, F]
+    g = fp4.make_guidance(fp4.quantize(x, "mxfp4"), "full")
+    roll = jnp.array([[[0, 1, 2, 3]] * 3] * 2)
+    train = jnp.array([[[3, 1, 7, 0]] * 3] * 2)  # expert 7 was not used by the rollout
+    a = align_expert_guidance(g, roll, train)
+    codes, src = np.asarray(a.rollout_codes()), np.asarray(g.rollout_codes())
+    np.testing.assert_array_equal(codes[:, :, 0], src[:, :, 3])
+    np.testing.assert_array_equal(codes[:, :, 1], src[:, :, 1])
+    np.testing.assert_array_equal(codes[:, :, 3], src[:, :, 0])
+    np.testing.assert_array_equal(np.asarray(a.mask)[0, 0], [True, True, False, True])
+
+
+def test_unmatched_slots_fall_back_to_rtn_and_are_counted():
+    qcfg = QuantConfig.nvfp4(guided_layers=(0,))
+    h = jax.random.normal(jax.random.key(1), (1, 2, 2, 32))
+    roll_experts = jnp.array([[[[0, 1], [2, 3]]]])  # [L, B, T, K]
+    train_experts = jnp.array([[[1, 5], [3, 2]]])
+    g = fp4.make_guidance(fp4.quantize(h * 1.3, "nvfp4"), "full")
+    guidance = {k: g for k in qcfg.guided_keys(1)}
+    sites = QuantSites(qcfg, 1, SiteMode.GUIDED, guidance=guidance, rollout_experts=roll_experts)
+    y = sites(h, name="expert_mid", layer=0, experts=train_experts)
+    cov = sites.coverage["0/expert_mid"]
+    assert int(cov["rows"]) == 4 and int(cov["guided_rows"]) == 3
+    rtn = fp4.fake_quant(h, "nvfp4")
+    np.testing.assert_array_equal(y[0, 0, 1], rtn[0, 0, 1])  # expert 5: no guidance -> RTN
+    assert not np.array_equal(y[0, 0, 0], rtn[0, 0, 0])  # guided by the rollout's scales
+    with pytest.raises(ValueError, match="expert choices"):
+        sites(h, name="expert_mid", layer=0)
+
+
+def test_modes_and_weights():
+    qcfg = QuantConfig.mxfp4_w4a8()
+    x = jax.random.normal(jax.random.key(2), (2, 3, 64))
+    w = jax.random.normal(jax.random.key(3), (4, 16, 64))
+    off = QuantSites(qcfg, 2, SiteMode.OFF)
+    np.testing.assert_array_equal(off(x, name="expert_in", layer=0), x)
+    rtn = QuantSites(qcfg, 2, SiteMode.RTN, capture=["1/expert_in"])
+    np.testing.assert_array_equal(rtn(x, name="expert_in", layer=1), fp4.fake_quant(x, "mxfp8"))
+    assert rtn.captured["1/expert_in"].fmt is fp4.MXFP8
+    np.testing.assert_array_equal(
+        rtn(w, name="w_up", layer=0), fp4.fake_quant(w, "mxfp4", global_axes=(-2, -1))
+    )
+    assert QuantConfig.bf16().format_for("k") is None
+    with pytest.raises(ValueError, match="unknown quantization site"):
+        qcfg.format_for("router")
+    with pytest.raises(ValueError, match="weights are FP4"):
+        QuantConfig(weight_format="mxfp8")
+    with pytest.raises(ValueError, match="out of range"):
+        QuantConfig(guided_layers=(5,)).layers_guided(4)
+    assert QuantConfig().layers_guided(8) == (4, 5, 6, 7)

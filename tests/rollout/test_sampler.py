@@ -1,0 +1,139 @@
+"""The rollout sampler: lengths, stop tokens, padding, log-probs, packed FP4 KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
+from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.rollout import SamplingConfig, generate
+from trace_jax.rollout.sampling import filter_logits
+from trace_jax.train import train_forward
+
+CFG32 = ModelConfig.tiny(dtype=jnp.float32, init_std=0.08)
+QCFG = QuantConfig.nvfp4()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG32, seed=1)
+
+
+def _prompts():
+    prompts = jnp.array([[3, 5, 7, 9, 11, 0], [2, 4, 6, 8, 10, 12], [1, 1, 0, 0, 0, 0]], jnp.int32)
+    return prompts, jnp.array([5, 6, 2], jnp.int32)
+
+
+def _generate(model, prompts, lengths, **kw):
+    gd, params = nnx.split(model)
+    sampling = kw.pop("sampling", SamplingConfig(max_new_tokens=6, temperature=0.0))
+    return generate(gd, params, prompts, lengths, jax.random.key(0), sampling=sampling, **kw)
+
+
+def test_layout_lengths_and_logprobs(model):
+    prompts, lengths = _prompts()
+    with jax.default_matmul_precision("highest"):
+        r = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF)
+        fwd = train_forward(model, r, qcfg=QCFG, mode=SiteMode.OFF, temperature=1.0)
+    tokens = np.asarray(r.tokens)
+    np.testing.assert_array_equal(np.asarray(r.lengths), np.asarray(lengths) + 6)
+    for b in range(3):
+        n = int(lengths[b])
+        np.testing.assert_array_equal(tokens[b, :n], np.asarray(prompts)[b, :n])
+        assert np.asarray(r.response_mask)[b].sum() == 6
+        assert np.asarray(r.response_mask)[b, n : n + 6].all()
+        assert (tokens[b, n + 6 :] == 0).all()
+    # Greedy token-by-token decode over the cache = the teacher-forced forward (float32 model).
+    mask = np.asarray(r.response_mask)
+    np.testing.assert_allclose(
+        np.asarray(fwd.logprobs)[mask], np.asarray(r.logprobs)[mask], atol=2e-4
+    )
+    # Greedy picks the argmax of the forward's logits.
+    logits, _ = model(r.tokens, mask=np.arange(r.tokens.shape[1]) < np.asarray(r.lengths)[:, None])
+    pred = np.asarray(jnp.argmax(logits, -1))
+    for b in range(3):
+        n = int(lengths[b])
+        np.testing.assert_array_equal(tokens[b, n : n + 6], pred[b, n - 1 : n + 5])
+
+
+def test_rows_do_not_depend_on_batch_padding(model):
+    prompts, lengths = _prompts()
+    with jax.default_matmul_precision("highest"):
+        batch = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
+        alone = _generate(model, prompts[2:, :2], lengths[2:], qcfg=QCFG, mode=SiteMode.RTN)
+    np.testing.assert_array_equal(np.asarray(batch.tokens)[2, :8], np.asarray(alone.tokens)[0])
+
+
+def test_stop_tokens_end_rows(model):
+    prompts, lengths = _prompts()
+    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF)
+    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,), pad_id=63)
+    r = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF, sampling=sampling)
+    tokens, resp = np.asarray(r.tokens), np.asarray(r.response_mask)
+    n0 = int(lengths[0])
+    assert int(r.lengths[0]) == n0 + 2 and tokens[0, n0 + 1] == stop
+    assert (tokens[0, n0 + 2 :] == 63).all() and resp[0].sum() == 2
+    for b in range(3):  # every row ends at its first stop token or at max_new_tokens
+        new = tokens[b, int(lengths[b]) : int(r.lengths[b])]
+        hits = np.nonzero(new == stop)[0]
+        assert len(new) == (hits[0] + 1 if len(hits) else 6)
+
+
+def test_temperature_sampling_and_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    np.testing.assert_array_equal(
+        filter_logits(logits, SamplingConfig(max_new_tokens=1, top_k=2)) > -1e29, [[1, 1, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        filter_logits(logits, SamplingConfig(max_new_tokens=1, top_p=0.7)) > -1e29, [[1, 1, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        filter_logits(logits, SamplingConfig(max_new_tokens=1, top_p=0.81)) > -1e29,
+        [[1, 1, 1, 0]],
+    )
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingConfig(max_new_tokens=0)
+
+
+def test_packed_cache_holds_the_sites_codes(model):
+    prompts, lengths = _prompts()
+    keys = QCFG.all_keys(CFG32.n_layers)
+    r = _generate(
+        model,
+        prompts,
+        lengths,
+        qcfg=QCFG,
+        mode=SiteMode.RTN,
+        capture=keys,
+        capture_mode=fp4.GuidanceMode.FULL,
+    )
+    cache = init_cache(CFG32, batch=3, max_len=12, kv_format="nvfp4")
+    assert isinstance(cache.layers[0], PackedLayerKVCache)
+    assert cache.layers[0].k.codes.dtype == jnp.uint8 and cache.layers[0].k.codes.shape[-1] == 8
+    # FP4 cache bytes per element: 4 bits + E4M3 scale / 16 + f32 global scale / head_dim.
+    per_el = cache.layers[0].k.nbytes * 8 / (3 * 12 * CFG32.n_kv_heads * CFG32.head_dim)
+    assert per_el == pytest.approx(4 + 8 / 16 + 32 / 16)
+    g = r.guidance["3/k"]
+    assert g.rollout_codes().shape == (3, 12, CFG32.n_kv_heads, CFG32.head_dim)
+    # Codes are FP4 codes at processed slots; scales are finite there.
+    proc = np.asarray(r.processed)
+    sc = np.asarray(fp4.scales_to_float32(g.scales, g.fmt))[proc]
+    assert np.isfinite(sc).all() and (sc > 0).all()
+
+
+def test_bad_inputs(model):
+    prompts, lengths = _prompts()
+    with pytest.raises(ValueError, match=r"SiteMode\.RTN"):
+        _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.GUIDED)
+    with pytest.raises(ValueError, match="lengths must be"):
+        _generate(model, prompts, lengths[:2], qcfg=QCFG)
+    with pytest.raises(ValueError, match="not a multiple"):
+        init_cache(CFG32, batch=1, max_len=4, kv_format="mxfp4")  # head_dim 16 < block 32

@@ -1,0 +1,167 @@
+"""`QuantSites`: the model's quantization hook for one forward call, rollout or trainer side.
+
+The model calls `sites(x, name=..., layer=...)` at every FP4 site (see trace_jax.models.config).
+One object serves every role, so rollout and trainer run the same quantizer (`trace_jax.fp4`):
+
+* rollout: `SiteMode.RTN`, `capture=` the guided site keys -> `captured[key]` holds the `QTensor`
+  the rollout really used (its codes and scales become the guidance);
+* trainer: `SiteMode.RTN` (vanilla FP4 QAT) or `SiteMode.GUIDED` with the rollout's guidance;
+  `reference=` full rollout codes turn on per-site mismatch statistics (`stats[key]`).
+
+Guidance arrays are aligned with the trainer's tensors: `[B, T, ...]` in the same sequence layout,
+and for "expert_mid" `[B, T, K, F]` in the rollout's slot order, re-aligned here to the trainer's
+slots by expert id (`align_expert_guidance`); a trainer slot whose expert the rollout did not use
+has no guidance and falls back to RTN, and is counted in `coverage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+from trace_jax.fp4 import Guidance, QTensor
+from trace_jax.quant.config import WEIGHT_SITES, QuantConfig, SiteMode
+
+
+def site_key(layer: int, name: str) -> str:
+    """The key of one site in guidance, capture and statistics dicts: "<layer>/<name>"."""
+    return f"{layer}/{name}"
+
+
+def align_expert_guidance(
+    g: Guidance, rollout_experts: jax.Array, train_experts: jax.Array
+) -> Guidance:
+    """Re-orders slot-indexed guidance `[B, T, K, ...]` from the rollout's slots to the trainer's.
+
+    Args:
+      g: guidance whose rows are `[B, T, K]` in the rollout's slot order.
+      rollout_experts, train_experts: int `[B, T, K]` expert ids per slot on each side.
+
+    Returns:
+      Guidance in the trainer's slot order; `mask` is False where the trainer's expert was not
+      among the rollout's (and where `g.mask` was False).
+    """
+    match = rollout_experts[..., None, :] == train_experts[..., :, None]  # [B, T, K_tr, K_ro]
+    has = jnp.any(match, axis=-1)
+    src = jnp.argmax(match, axis=-1)  # rollout slot of each trainer slot
+
+    def take(a):
+        if a is None:
+            return None
+        idx = src.reshape(*src.shape, *([1] * (a.ndim - src.ndim)))
+        return jnp.take_along_axis(a, idx, axis=src.ndim - 1)
+
+    mask = has if g.mask is None else has & take(g.mask)
+    return Guidance(take(g.payload), take(g.scales), take(g.global_scale), mask, g.fmt, g.mode)
+
+
+def _rows_mask(valid: jax.Array | None, rows_shape: tuple[int, ...]) -> jax.Array | None:
+    """Broadcasts a `[B, T]` validity mask to a site's row shape `[B, T, ...]`."""
+    if valid is None:
+        return None
+    extra = len(rows_shape) - valid.ndim
+    return jnp.broadcast_to(valid.reshape(*valid.shape, *([1] * extra)), rows_shape)
+
+
+class QuantSites:
+    """A `QuantSite` for one forward call; collects captures and statistics as it goes.
+
+    Args:
+      qcfg: the FP4 recipe.
+      n_layers: model depth (to resolve the default guided layers).
+      mode: OFF, RTN or GUIDED.
+      guidance: site key -> rollout `Guidance` (GUIDED mode; required for every guided key).
+      rollout_experts: int `[L, B, T, K]` rollout expert choices (to align "expert_mid").
+      reference: site key -> full rollout `Guidance`, for code-mismatch statistics.
+      capture: site keys whose `QTensor` to keep in `captured`.
+      valid: bool `[B, T]`, real (non-padding) positions; only these count and get guidance.
+      differentiable: use the straight-through `fake_quant` (trainer); else plain
+        quantize/dequantize (rollout). Both give the same values.
+    """
+
+    def __init__(
+        self,
+        qcfg: QuantConfig,
+        n_layers: int,
+        mode: str | SiteMode,
+        *,
+        guidance: Mapping[str, Guidance] | None = None,
+        rollout_experts: jax.Array | None = None,
+        reference: Mapping[str, Guidance] | None = None,
+        capture: Iterable[str] = (),
+        valid: jax.Array | None = None,
+        differentiable: bool = True,
+    ):
+        self.qcfg = qcfg
+        self.mode = SiteMode(mode)
+        self.guided_keys = frozenset(qcfg.guided_keys(n_layers))
+        self.guidance = dict(guidance or {})
+        self.rollout_experts = rollout_experts
+        self.reference = dict(reference or {})
+        self.capture = frozenset(capture)
+        self.valid = valid
+        self.differentiable = differentiable
+        self.captured: dict[str, QTensor] = {}
+        self.stats: dict[str, dict[str, jax.Array]] = {}
+        self.coverage: dict[str, dict[str, jax.Array]] = {}
+        if self.mode is SiteMode.GUIDED:
+            missing = sorted(self.guided_keys - set(self.guidance))
+            if missing:
+                raise ValueError(f"guided mode: no rollout guidance for sites {missing}")
+
+    def _aligned(self, g: Guidance, name: str, layer: int, experts) -> Guidance:
+        if name != "expert_mid":
+            return g
+        if experts is None or self.rollout_experts is None:
+            raise ValueError(
+                "expert_mid guidance needs the rollout's and the trainer's expert choices"
+            )
+        return align_expert_guidance(g, self.rollout_experts[layer], experts)
+
+    def __call__(self, x: jax.Array, *, name: str, layer: int, experts=None) -> jax.Array:
+        fmt = self.qcfg.format_for(name)
+        if self.mode is SiteMode.OFF or fmt is None:
+            return x
+        if name in WEIGHT_SITES:  # identical on both sides: RTN, one global scale per matrix
+            return fp4.fake_quant(x, fmt, global_axes=(-2, -1))
+
+        key = site_key(layer, name)
+        valid = _rows_mask(self.valid, x.shape[:-1])
+        g = None
+        if self.mode is SiteMode.GUIDED and key in self.guided_keys:
+            g = self._aligned(self.guidance[key], name, layer, experts)
+            mask = g.mask if valid is None else (valid if g.mask is None else g.mask & valid)
+            g = Guidance(g.payload, g.scales, g.global_scale, mask, g.fmt, g.mode)
+            rows = jnp.ones(x.shape[:-1], bool) if valid is None else valid
+            guided_rows = rows if g.mask is None else g.mask
+            self.coverage[key] = {
+                "rows": jnp.sum(rows, dtype=jnp.int32),
+                "guided_rows": jnp.sum(guided_rows & rows, dtype=jnp.int32),
+            }
+        rounding = "rtn" if g is None else "guided"
+
+        if self.differentiable:
+            y = fp4.fake_quant(x, fmt, rounding=rounding, guidance=g)
+        else:
+            y = fp4.dequantize(fp4.quantize(x, fmt, rounding=rounding, guidance=g), x.dtype)
+
+        if key in self.capture or key in self.reference:
+            # Same inputs as the forward value above: XLA computes the quantization once.
+            q = fp4.quantize(jax.lax.stop_gradient(x), fmt, rounding=rounding, guidance=g)
+            if key in self.capture:
+                self.captured[key] = q
+            if key in self.reference:
+                ref = self._aligned(self.reference[key], name, layer, experts)
+                where = valid
+                if ref.mask is not None:
+                    where = ref.mask if where is None else where & ref.mask
+                self.stats[key] = fp4.mismatch_stats(
+                    q.codes,
+                    ref.rollout_codes(),
+                    fmt,
+                    where=None if where is None else where[..., None],
+                )
+        return y

@@ -1,0 +1,202 @@
+"""The rollout engine: a jitted prefill + decode loop that records what FP4 really did.
+
+Sequence layout (shared with the trainer): right-padded rows, token s of row b at slot and RoPE
+position s. The prompt fills slots `[0, prompt_len)`, response token n sits at slot
+`prompt_len + n`. The model processes every slot but the last token of each row, so guidance and
+expert choices exist for slots `[0, length - 1)`; a trainer forward over the same rows reads them
+at the same slots.
+
+Axis legend: B batch, P prompt slots, N new tokens, S = P + N slots, L layers, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax.fp4 import Guidance, GuidanceMode
+from trace_jax.models import Qwen3MoE, decode_step, init_cache, prefill
+from trace_jax.quant import QuantConfig, QuantSites, SiteMode
+from trace_jax.rollout.sampling import SamplingConfig, policy_logprobs, sample_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What one rollout batch produced (all arrays on device).
+
+    tokens: int32 [B, S], prompt + response, `pad_id` after each row's end.
+    prompt_lengths, lengths: int32 [B], prompt length and total length (prompt + response).
+    logprobs: float32 [B, S], the rollout policy's log-prob of `tokens[b, s]` at response slots
+      (`policy_logprobs` at the sampling temperature), 0 elsewhere.
+    response_mask: bool [B, S], the response slots.
+    expert_choices: int32 [L, B, S, K], the router's top-k at every processed slot.
+    guidance: site key -> `Guidance` with rows `[B, S, ...]` (valid at processed slots).
+    """
+
+    tokens: jax.Array
+    prompt_lengths: jax.Array
+    lengths: jax.Array
+    logprobs: jax.Array
+    response_mask: jax.Array
+    expert_choices: jax.Array
+    guidance: dict[str, Guidance]
+
+    @property
+    def processed(self) -> jax.Array:
+        """bool [B, S]: slots the rollout's model processed (all but each row's last token)."""
+        s = jnp.arange(self.tokens.shape[1])
+        return s[None, :] < (self.lengths - 1)[:, None]
+
+    @property
+    def guidance_bytes(self) -> int:
+        """Bytes of the guidance buffers (all slots, as stored)."""
+        return sum(g.nbytes for g in self.guidance.values())
+
+
+def _write_slots(buf: jax.Array, value: jax.Array, slots: jax.Array, axis: int = 1) -> jax.Array:
+    """Writes `value` with `[B, T]` at `slots [B, T]` of `buf` along `axis` (B is axis - 1)."""
+    buf_m = jnp.moveaxis(buf, (axis - 1, axis), (0, 1))
+    val_m = jnp.moveaxis(value, (axis - 1, axis), (0, 1))
+    b = jnp.arange(buf_m.shape[0])[:, None]
+    out = buf_m.at[b, slots].set(val_m.astype(buf.dtype), mode="drop")
+    return jnp.moveaxis(out, (0, 1), (axis - 1, axis))
+
+
+def _guidance_buffer(g: Guidance, n_slots: int) -> Guidance:
+    """An empty `[B, n_slots, ...]` buffer shaped like the `[B, T, ...]` guidance `g`."""
+
+    def empty(a):
+        return None if a is None else jnp.zeros((a.shape[0], n_slots, *a.shape[2:]), a.dtype)
+
+    return Guidance(empty(g.payload), empty(g.scales), empty(g.global_scale), None, g.fmt, g.mode)
+
+
+def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
+    def put(b, v):
+        return None if b is None else _write_slots(b, v, slots)
+
+    return Guidance(
+        put(buf.payload, g.payload),
+        put(buf.scales, g.scales),
+        put(buf.global_scale, g.global_scale),
+        None,
+        buf.fmt,
+        buf.mode,
+    )
+
+
+def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
+    return {k: fp4.make_guidance(q, mode) for k, q in sites.captured.items()}
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "sampling", "qcfg", "mode", "capture", "capture_mode"),
+)
+def generate(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    *,
+    sampling: SamplingConfig,
+    qcfg: QuantConfig,
+    mode: SiteMode = SiteMode.RTN,
+    capture: tuple[str, ...] = (),
+    capture_mode: GuidanceMode = GuidanceMode.COMPACT,
+) -> Rollout:
+    """Samples `sampling.max_new_tokens` tokens after each right-padded prompt.
+
+    Args:
+      graphdef, params: `nnx.split(model)` of a `Qwen3MoE`.
+      prompts: int32 [B, P], right-padded; `prompt_lengths` int32 [B] in [1, P].
+      key: PRNG key; step n samples with `fold_in(key, n)`.
+      sampling: temperature, top-k/top-p, stop tokens, length.
+      qcfg, mode: the FP4 recipe and SiteMode.RTN (FP4 rollout) or SiteMode.OFF (BF16 rollout).
+      capture: site keys whose rounding decisions to record (e.g. `qcfg.guided_keys(L)`).
+      capture_mode: "compact" or "full" guidance.
+    """
+    model: Qwen3MoE = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    b, p = prompts.shape
+    n_new = sampling.max_new_tokens
+    s_total = p + n_new
+    mode = SiteMode(mode)
+    if mode is SiteMode.GUIDED:
+        raise ValueError("the rollout quantizes with SiteMode.RTN (FP4) or SiteMode.OFF (BF16)")
+    stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
+
+    def new_sites():
+        return QuantSites(qcfg, cfg.n_layers, mode, capture=capture, differentiable=False)
+
+    # Prefill the prompts.
+    kv_format = qcfg.kv_format if mode is SiteMode.RTN else None
+    cache = init_cache(cfg, batch=b, max_len=s_total, kv_format=kv_format)
+    sites = new_sites()
+    logits, aux, cache = prefill(model, cache, prompts, prompt_lengths, site=sites)
+    prompt_slots = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    experts = jnp.zeros((cfg.n_layers, b, s_total, cfg.top_k), jnp.int32)
+    experts = _write_slots(experts, aux["topk_idx"], prompt_slots, axis=2)
+    guidance = {}
+    for k, g in _captures(sites, capture_mode).items():
+        guidance[k] = _write_guidance(_guidance_buffer(g, s_total), g, prompt_slots)
+
+    last_logits = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    tokens = jnp.full((b, s_total), sampling.pad_id, jnp.int32)
+    tokens = _write_slots(tokens, prompts, prompt_slots)
+    logprobs = jnp.zeros((b, s_total), jnp.float32)
+
+    def sample_at(n, logits, tokens, logprobs, done, lengths):
+        tok = sample_tokens(logits, jax.random.fold_in(key, n), sampling)
+        lp = jnp.take_along_axis(policy_logprobs(logits, sampling.temperature), tok[:, None], 1)
+        tok = jnp.where(done, sampling.pad_id, tok)
+        slot = jnp.where(done, s_total, lengths)[:, None]  # finished rows write nowhere
+        tokens = _write_slots(tokens, tok[:, None], slot)
+        logprobs = _write_slots(logprobs, lp, slot)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(tok, stop)
+        return tok, tokens, logprobs, done, lengths
+
+    done = jnp.zeros((b,), bool)
+    tok, tokens, logprobs, done, lengths = sample_at(
+        0, last_logits, tokens, logprobs, done, prompt_lengths
+    )
+
+    def cond(state):
+        n, done = state[0], state[4]
+        return (n < n_new) & ~jnp.all(done)
+
+    def body(state):
+        n, tok, tokens, logprobs, done, lengths, cache, experts, guidance = state
+        active = ~done
+        slots = (lengths - 1)[:, None]  # the slot of the token fed now
+        sites = new_sites()
+        logits, aux, cache = decode_step(model, cache, tok, site=sites, active=active)
+        w_slots = jnp.where(active[:, None], slots, s_total)
+        experts = _write_slots(experts, aux["topk_idx"], w_slots, axis=2)
+        caps = _captures(sites, capture_mode)
+        guidance = {k: _write_guidance(guidance[k], caps[k], w_slots) for k in guidance}
+        tok, tokens, logprobs, done, lengths = sample_at(n, logits, tokens, logprobs, done, lengths)
+        return n + 1, tok, tokens, logprobs, done, lengths, cache, experts, guidance
+
+    state = (1, tok, tokens, logprobs, done, lengths, cache, experts, guidance)
+    state = jax.lax.while_loop(cond, body, state)
+    _, _, tokens, logprobs, _, lengths, _, experts, guidance = state
+    s = jnp.arange(s_total)[None, :]
+    response_mask = (s >= prompt_lengths[:, None]) & (s < lengths[:, None])
+    return Rollout(
+        tokens=tokens,
+        prompt_lengths=prompt_lengths,
+        lengths=lengths,
+        logprobs=jnp.where(response_mask, logprobs, 0.0),
+        response_mask=response_mask,
+        expert_choices=experts,
+        guidance=guidance,
+    )
