@@ -137,3 +137,19 @@ def test_bad_inputs(model):
         _generate(model, prompts, lengths[:2], qcfg=QCFG)
     with pytest.raises(ValueError, match="not a multiple"):
         init_cache(CFG32, batch=1, max_len=4, kv_format="mxfp4")  # head_dim 16 < block 32
+
+
+def test_mxfp4_rollout_is_finite():
+    """Regression: unwritten packed-cache slots must hold finite scales (E8M0 zeros are NaN)."""
+    cfg = ModelConfig.tiny(head_dim=32)
+    qcfg = QuantConfig.mxfp4_w4a4()
+    m = init_model(cfg, seed=0)
+    prompts, lengths = _prompts()
+    cache = init_cache(cfg, batch=1, max_len=4, kv_format="mxfp4")
+    assert np.isfinite(np.asarray(cache.layers[0].k.read(jnp.float32))).all()
+    r = _generate(
+        m, prompts, lengths, qcfg=qcfg, mode=SiteMode.RTN, capture=qcfg.guided_keys(cfg.n_layers)
+    )
+    assert np.isfinite(np.asarray(r.logprobs)).all()
+    out = train_forward(m, r, qcfg=qcfg, mode=SiteMode.GUIDED, replay=True)
+    assert np.isfinite(np.asarray(out.logprobs)).all()

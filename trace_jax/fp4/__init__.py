@@ -23,7 +23,7 @@ from trace_jax.fp4.guidance import (
 )
 from trace_jax.fp4.metrics import mismatch_stats, signed_position
 from trace_jax.fp4.packing import pack_bits, pack_fp4, unpack_bits, unpack_fp4
-from trace_jax.fp4.qtensor import QTensor
+from trace_jax.fp4.qtensor import QTensor, empty_scales
 from trace_jax.fp4.quantize import Rounding, dequantize, quantize
 from trace_jax.fp4.scales import scales_to_float32
 
@@ -40,6 +40,7 @@ __all__ = [
     "Rounding",
     "ScaleType",
     "dequantize",
+    "empty_scales",
     "fake_quant",
     "get_format",
     "guidance_bits_per_element",

@@ -48,6 +48,14 @@ class QTensor:
         return self
 
 
+def empty_scales(shape: tuple[int, ...], fmt: BlockFormat) -> jax.Array:
+    """Block scales with all bits zero (E8M0: 2**-127, E4M3: 0): finite placeholders.
+
+    `jnp.zeros(shape, float8_e8m0fnu)` is NaN (0xFF): E8M0 has no zero, and 0.0 converts to NaN.
+    """
+    return jax.lax.bitcast_convert_type(jnp.zeros(shape, jnp.uint8), fmt.scale_dtype)
+
+
 def blocks_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
     """Shape of the block-scale array for a tensor of `shape`; errors on a ragged last axis."""
     if len(shape) == 0:

@@ -41,7 +41,7 @@ class PackedTensorCache:
             )
         return cls(
             codes=jnp.zeros((b, s, h, d // 2), jnp.uint8),
-            scales=jnp.zeros((b, s, h, d // fmt.block_size), fmt.scale_dtype),
+            scales=fp4.empty_scales((b, s, h, d // fmt.block_size), fmt),
             global_scale=jnp.ones((b, s, h, 1), jnp.float32) if fmt.has_global_scale else None,
             fmt=fmt,
         )

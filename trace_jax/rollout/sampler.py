@@ -71,10 +71,18 @@ def _write_slots(buf: jax.Array, value: jax.Array, slots: jax.Array, axis: int =
 def _guidance_buffer(g: Guidance, n_slots: int) -> Guidance:
     """An empty `[B, n_slots, ...]` buffer shaped like the `[B, T, ...]` guidance `g`."""
 
-    def empty(a):
-        return None if a is None else jnp.zeros((a.shape[0], n_slots, *a.shape[2:]), a.dtype)
+    def shape(a):
+        return (a.shape[0], n_slots, *a.shape[2:])
 
-    return Guidance(empty(g.payload), empty(g.scales), empty(g.global_scale), None, g.fmt, g.mode)
+    gs = None if g.global_scale is None else jnp.ones(shape(g.global_scale), jnp.float32)
+    return Guidance(
+        jnp.zeros(shape(g.payload), jnp.uint8),
+        fp4.empty_scales(shape(g.scales), g.fmt),
+        gs,
+        None,
+        g.fmt,
+        g.mode,
+    )
 
 
 def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
