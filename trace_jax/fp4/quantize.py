@@ -41,14 +41,73 @@ def _check_arguments(x, fmt: BlockFormat, rounding: Rounding, key, guidance) -> 
         raise ValueError(f"`guidance` is only used by rounding='guided', not {rounding.value!r}")
 
 
-def _rollout_target(guidance: Guidance, sign, block_shape, spec) -> jax.Array:
-    """The rollout's value as a magnitude on the trainer value's side of zero (select_toward)."""
-    r = guidance.rollout_codes().reshape(block_shape).astype(jnp.int32)
-    r_idx = r & ((1 << spec.sign_shift) - 1)
-    r_neg = (r >> spec.sign_shift) & 1 == 1
-    r_mag = numerics.magnitude_value(r_idx, spec)
-    same_side = (r_neg == sign) | (r_idx == 0)
-    return jnp.where(same_side, r_mag, -r_mag)
+def quantize_core(
+    x32: jax.Array,
+    fmt: BlockFormat,
+    *,
+    s_g: jax.Array | None,
+    rounding: Rounding = Rounding.RTN,
+    u: jax.Array | None = None,
+    guide_codes: jax.Array | None = None,
+    guide_bits: jax.Array | None = None,
+    guide_scale_bits: jax.Array | None = None,
+    guide_global: jax.Array | None = None,
+    guide_rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The quantizer on plain arrays, shared by `quantize` and the Pallas kernels.
+
+    Args:
+      x32: float32 `[..., N]`, N a multiple of the block.
+      fmt: the format.
+      s_g: the trainer's own NVFP4 global scale broadcastable to `[..., 1]`, else None.
+      rounding: RTN, STOCHASTIC (with `u ~ U[0, 1)` of x's shape) or GUIDED.
+      guide_codes / guide_bits: GUIDED: the rollout's codes (full) or mantissa bits (compact),
+        uint8 `[..., N]` (exactly one of them).
+      guide_scale_bits, guide_global: the rollout's block-scale bits `[..., NB]` and global scale.
+      guide_rows: bool `[...]` rows that carry guidance (None: all).
+
+    Returns:
+      `(codes uint8 [..., N], scale bits uint8 [..., NB], global scale or None)`.
+    """
+    spec = fmt.elem
+    nb = x32.shape[-1] // fmt.block_size
+    block_shape = (*x32.shape[:-1], nb, fmt.block_size)
+    xb = x32.reshape(block_shape)
+    bits = scales.block_scale_bits(xb, fmt, s_g)
+
+    guided = rounding is Rounding.GUIDED
+    if guided:
+        row = True if guide_rows is None else guide_rows[..., None]
+        bits = jnp.where(row, guide_scale_bits, bits)
+        if s_g is not None:
+            s_g = jnp.where(row, guide_global, s_g)
+
+    z = scales.normalize(xb, bits, s_g, fmt)
+    a = jnp.minimum(jnp.abs(z), spec.max_value)
+    sign = z < 0
+    lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(a, spec)
+    idx = numerics.select_nearest_even(a, lo, hi, lo_idx, hi_idx)
+
+    if rounding is Rounding.STOCHASTIC:
+        idx = numerics.select_stochastic(a, lo, hi, lo_idx, hi_idx, u.reshape(block_shape))
+    elif guided:
+        if guide_codes is not None:
+            r = guide_codes.reshape(block_shape).astype(jnp.int32)
+            r_idx = r & ((1 << spec.sign_shift) - 1)
+            r_neg = (r >> spec.sign_shift) & 1 == 1
+            r_mag = numerics.magnitude_value(r_idx, spec)
+            # The rollout's value as a magnitude on the trainer value's side of zero.
+            target = jnp.where((r_neg == sign) | (r_idx == 0), r_mag, -r_mag)
+            guided_idx = numerics.select_toward(lo, hi, lo_idx, hi_idx, target, idx)
+        else:
+            guided_idx = numerics.select_by_bit(lo_idx, hi_idx, guide_bits.reshape(block_shape))
+        if guide_rows is not None:
+            guided_idx = jnp.where(guide_rows[..., None, None], guided_idx, idx)
+        idx = guided_idx
+
+    idx = jnp.where(jnp.isnan(a), 0, idx)
+    codes = numerics.encode(sign, idx, spec).reshape(x32.shape)
+    return codes, bits, s_g
 
 
 def quantize(
@@ -81,49 +140,26 @@ def quantize(
     rounding = Rounding(rounding)
     x = jnp.asarray(x)
     _check_arguments(x, fmt, rounding, key, guidance)
-    spec = fmt.elem
-    nb_shape = blocks_shape(x.shape, fmt)
-    block_shape = (*nb_shape, fmt.block_size)
-
     x32 = x.astype(jnp.float32)
     s_g = None
     if fmt.has_global_scale:
         axes = scales.normalize_global_axes(global_axes, x.ndim)
         s_g = scales.global_scale(x32, fmt, axes)
-    xb = x32.reshape(block_shape)
-    s_b = scales.block_scales(xb, fmt, s_g)
-
-    guided_rows = None
-    if rounding is Rounding.GUIDED:
-        guided_rows = True if guidance.mask is None else guidance.mask
-        row = guided_rows if guidance.mask is None else guided_rows[..., None]
-        s_b = jnp.where(row, guidance.scales, s_b)
-        if s_g is not None:
-            s_g = jnp.where(row, guidance.global_scale, s_g)
-
-    z = scales.normalize(xb, s_b, s_g, fmt)
-    a = jnp.minimum(jnp.abs(z), spec.max_value)
-    sign = z < 0
-    lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(a, spec)
-    idx = numerics.select_nearest_even(a, lo, hi, lo_idx, hi_idx)
-
+    kwargs = {}
     if rounding is Rounding.STOCHASTIC:
-        u = jax.random.uniform(key, a.shape, jnp.float32)
-        idx = numerics.select_stochastic(a, lo, hi, lo_idx, hi_idx, u)
+        kwargs["u"] = jax.random.uniform(key, x.shape, jnp.float32)
     elif rounding is Rounding.GUIDED:
         if guidance.mode is GuidanceMode.FULL:
-            target = _rollout_target(guidance, sign, block_shape, spec)
-            guided_idx = numerics.select_toward(lo, hi, lo_idx, hi_idx, target, idx)
+            kwargs["guide_codes"] = guidance.rollout_codes()
         else:
-            bits = guidance.mantissa_bits().reshape(block_shape)
-            guided_idx = numerics.select_by_bit(lo_idx, hi_idx, bits)
-        if guidance.mask is not None:
-            guided_idx = jnp.where(guidance.mask[..., None, None], guided_idx, idx)
-        idx = guided_idx
-
-    idx = jnp.where(jnp.isnan(a), 0, idx)
-    codes = numerics.encode(sign, idx, spec).reshape(x.shape)
-    return QTensor(codes=codes, scales=s_b, global_scale=s_g, fmt=fmt)
+            kwargs["guide_bits"] = guidance.mantissa_bits()
+        kwargs.update(
+            guide_scale_bits=scales.to_bits(guidance.scales),
+            guide_global=guidance.global_scale,
+            guide_rows=guidance.mask,
+        )
+    codes, bits, s_g = quantize_core(x32, fmt, s_g=s_g, rounding=rounding, **kwargs)
+    return QTensor(codes=codes, scales=scales.from_bits(bits, fmt), global_scale=s_g, fmt=fmt)
 
 
 def dequantize(q: QTensor, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -131,5 +167,5 @@ def dequantize(q: QTensor, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     fmt = q.fmt
     block_shape = (*blocks_shape(q.shape, fmt), fmt.block_size)
     values = numerics.decode(q.codes, fmt.elem).reshape(block_shape)
-    out = scales.denormalize(values, q.scales, q.global_scale, fmt)
+    out = scales.denormalize(values, scales.to_bits(q.scales), q.global_scale, fmt)
     return out.reshape(q.shape).astype(dtype)

@@ -67,10 +67,11 @@ def global_scale(x: jax.Array, fmt: BlockFormat, axes: tuple[int, ...]) -> jax.A
     return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
 
 
-def block_scales(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.Array:
-    """Block scales `[..., NB]` in `fmt.scale_dtype` from blocked float32 `xb [..., NB, BS]`.
+def block_scale_bits(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.Array:
+    """Block-scale bit patterns (uint8 `[..., NB]`) from blocked float32 `xb [..., NB, BS]`.
 
-    `s_g` is the global scale broadcastable to `[..., NB]` (NVFP4), else None.
+    `s_g` is the global scale broadcastable to `[..., NB]` (NVFP4), else None. Bits rather than
+    float8 arrays, so that Pallas kernels (Triton has no E8M0 type) run the same code.
     """
     amax = jnp.max(jnp.abs(xb), axis=-1)
     nonfinite = ~jnp.isfinite(amax)
@@ -84,42 +85,54 @@ def block_scales(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.
         _, _, idx, _ = numerics.grid_neighbours(jnp.where(jnp.isnan(s_b), 0.0, s_b), _E4M3)
         bits = numerics.encode(jnp.zeros_like(idx), idx, _E4M3)
         bits = jnp.where(nonfinite | jnp.isnan(s_b), _E4M3_NAN, bits).astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(bits, fmt.scale_dtype)
+    return bits.astype(jnp.uint8)
 
 
-def scales_to_float32(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
-    """Block scales in `fmt.scale_dtype` -> float32 values (NaN scales stay NaN)."""
-    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+def to_bits(scales: jax.Array) -> jax.Array:
+    """Float8 block scales -> their uint8 bit patterns."""
+    return jax.lax.bitcast_convert_type(scales, jnp.uint8)
+
+
+def from_bits(bits: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """uint8 bit patterns -> block scales in `fmt.scale_dtype`."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), fmt.scale_dtype)
+
+
+def scale_bits_to_float32(bits: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Block-scale bits (uint8) -> float32 values (NaN scales stay NaN)."""
     if fmt.scale is ScaleType.E8M0:
         return numerics.decode_e8m0(bits)
     return numerics.decode(bits, _E4M3)
 
 
-def normalize(xb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
-    """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32, same shape.
+def scales_to_float32(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """Block scales in `fmt.scale_dtype` -> float32 values (NaN scales stay NaN)."""
+    return scale_bits_to_float32(to_bits(scales), fmt)
+
+
+def normalize(xb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
+    """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32; `bits` uint8 `[..., NB]`.
 
     MX scales are powers of two, so division is a multiplication by the exact inverse (this also
     keeps the all-zero block's 2**-127 scale, a float32 subnormal, out of the arithmetic).
     """
-    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
     if fmt.scale is ScaleType.E8M0:
         e = bits.astype(jnp.int32) - 127
         inv = numerics.exp2_int(jnp.clip(-e, -126, 127))
         inv = jnp.where(bits == 0xFF, jnp.nan, inv)
         return xb * inv[..., None]
-    combined = scales_to_float32(scales, fmt) * s_g
+    combined = scale_bits_to_float32(bits, fmt) * s_g
     return xb * reciprocal(combined)[..., None]
 
 
-def denormalize(qb: jax.Array, scales: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
+def denormalize(qb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
     """`q * scale` per element: grid values `qb [..., NB, BS]` float32 -> float32."""
     if fmt.scale is ScaleType.E8M0:
         # 2**-127 is a float32 subnormal (flushed to zero by XLA): apply it as 2**-126 * 0.5 so
         # only a subnormal *result* is flushed.
-        bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
         e = bits.astype(jnp.int32) - 127
         factor = jnp.where(bits == 0xFF, jnp.nan, numerics.exp2_int(jnp.maximum(e, -126)))
         out = qb * factor[..., None]
         return jnp.where((bits == 0)[..., None], out * 0.5, out)
-    factor = scales_to_float32(scales, fmt) * s_g
+    factor = scale_bits_to_float32(bits, fmt) * s_g
     return qb * factor[..., None]
