@@ -1,0 +1,101 @@
+"""`fp4_quantize`: fused quantize + guidance capture, Pallas where it runs, the reference else."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import common
+from kernels_pallas.fp4_quantize.kernel import quantize_capture_pallas
+from kernels_pallas.fp4_quantize.reference import QuantizedCapture, quantize_capture_reference
+from trace_jax import fp4
+from trace_jax.fp4 import BlockFormat, Guidance, GuidanceMode
+from trace_jax.fp4.scales import from_bits, to_bits
+
+_last_backend: list[str] = ["none"]
+
+
+def last_backend() -> str:
+    """Which backend the last `fp4_quantize` call traced ("pallas" | "xla")."""
+    return _last_backend[0]
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check(x: jax.Array, fmt: BlockFormat, guidance: Guidance | None) -> None:
+    if not fmt.is_fp4:
+        raise ValueError(f"fp4_quantize packs FP4 codes; got {fmt.name}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"fp4_quantize expects a floating-point array, got {x.dtype}")
+    fp4.qtensor.blocks_shape(x.shape, fmt)
+    if guidance is not None:
+        guidance.check_matches(x.shape, fmt)
+        if guidance.mask is not None:
+            raise ValueError("fp4_quantize: guidance masks are not supported; use fp4.quantize")
+
+
+def fp4_quantize(
+    x: jax.Array,
+    fmt: str | BlockFormat,
+    *,
+    guidance: Guidance | None = None,
+    backend: str = "auto",
+    block_r: int = 16,
+    interpret: bool | None = None,
+) -> QuantizedCapture:
+    """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
+
+    Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
+    The Pallas path needs N a power of two; otherwise the XLA reference runs.
+    """
+    fmt = fp4.get_format(fmt)
+    x = jnp.asarray(x)
+    _check(x, fmt, guidance)
+    run, interpret = common.resolve_backend(backend, interpret)
+    n = x.shape[-1]
+    if run is common.Backend.XLA or not _is_pow2(n):
+        _last_backend[0] = "xla"
+        return quantize_capture_reference(x, fmt, guidance=guidance)
+    _last_backend[0] = "pallas"
+
+    lead = x.shape[:-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    padded = -(-rows // block_r) * block_r
+
+    def flat(a, width):
+        a = a.reshape(rows, width)
+        return jnp.pad(a, ((0, padded - rows), (0, 0)))
+
+    guide, mode = None, None
+    if guidance is not None:
+        mode = guidance.mode
+        gs = guidance.global_scale
+        if gs is None:
+            gs = jnp.ones((*lead, 1), jnp.float32)
+        gs = jnp.broadcast_to(gs, (*lead, 1))
+        guide = (
+            flat(guidance.payload, guidance.payload.shape[-1]),
+            flat(to_bits(guidance.scales), n // fmt.block_size),
+            flat(gs, 1),
+        )
+    packed, bits, gsc, cbits = quantize_capture_pallas(
+        flat(x, n), fmt, guide=guide, guide_mode=mode, block_r=block_r, interpret=interpret
+    )
+
+    def unflat(a):
+        return a[:rows].reshape(*lead, a.shape[-1])
+
+    return QuantizedCapture(
+        packed_codes=unflat(packed),
+        scales=from_bits(unflat(bits), fmt),
+        global_scale=unflat(gsc) if fmt.has_global_scale else None,
+        compact_bits=unflat(cbits),
+        fmt=fmt,
+    )
+
+
+__all__ = ["GuidanceMode", "QuantizedCapture", "fp4_quantize", "last_backend"]

@@ -1,0 +1,117 @@
+"""Pallas kernel: one pass over `x [R, N]` -> packed FP4 codes, block scales, global scale and the
+compact guidance bits, with round-to-nearest or rollout-guided rounding.
+
+Each program owns `block_r` whole rows (the NVFP4 global scale is per row, so a row never spans
+programs) and runs `trace_jax.fp4.quantize_core`, the quantizer itself, on them: kernel and
+quantizer cannot drift apart. Bytes moved per element: read 2 (bf16) or 4 (f32); write 1/2 (codes)
++ 1/8 (compact bits) + 1/block (scale) (+ 4/N global): the pass is bandwidth-bound.
+
+Triton lowering needs power-of-two tile shapes, so N must be a power of two (the API falls back to
+the XLA reference otherwise). A TPU (Mosaic) lowering would additionally need the row tile to be a
+multiple of 8 and N a multiple of 128 lanes, and the nibble/bit packing expressed as lane shifts
+(the reshape-and-reduce packing used here is the simplest form that all three lowerings accept in
+principle; it has only been run in interpret mode so far).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import common
+from trace_jax.fp4 import BlockFormat, GuidanceMode
+from trace_jax.fp4.quantize import Rounding, quantize_core
+from trace_jax.fp4.scales import global_scale
+
+
+def _pack(values: jax.Array, per_byte: int) -> jax.Array:
+    """Packs `per_byte` small fields per byte along the last axis (field j at bit j * width)."""
+    r, n = values.shape
+    width = 8 // per_byte
+    v = values.astype(jnp.int32).reshape(r, n // per_byte, per_byte)
+    # Kernels cannot capture array constants: build the field shifts from an iota.
+    shifts = jax.lax.broadcasted_iota(jnp.int32, v.shape, 2) * width
+    return jnp.sum(v << shifts, axis=-1).astype(jnp.uint8)
+
+
+def _unpack(packed: jax.Array, per_byte: int) -> jax.Array:
+    r, m = packed.shape
+    width = 8 // per_byte
+    shape = (r, m, per_byte)
+    shifts = jax.lax.broadcasted_iota(jnp.int32, shape, 2) * width
+    v = (jnp.broadcast_to(packed.astype(jnp.int32)[..., None], shape) >> shifts) & (
+        (1 << width) - 1
+    )
+    return v.reshape(r, m * per_byte)
+
+
+def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None):
+    if guide_mode is None:
+        x_ref, codes_ref, bits_ref, gs_ref, cbits_ref = refs
+    else:
+        x_ref, g_payload_ref, g_bits_ref, g_gs_ref, codes_ref, bits_ref, gs_ref, cbits_ref = refs
+    x = x_ref[...].astype(jnp.float32)
+    s_g = global_scale(x, fmt, (1,)) if fmt.has_global_scale else None
+    kwargs = {}
+    if guide_mode is not None:
+        payload = g_payload_ref[...]
+        if guide_mode is GuidanceMode.FULL:
+            kwargs["guide_codes"] = _unpack(payload, 2)
+        else:
+            kwargs["guide_bits"] = _unpack(payload, 8)
+        kwargs["guide_scale_bits"] = g_bits_ref[...]
+        kwargs["guide_global"] = g_gs_ref[...] if fmt.has_global_scale else None
+    rounding = Rounding.RTN if guide_mode is None else Rounding.GUIDED
+    codes, bits, s_g = quantize_core(x, fmt, s_g=s_g, rounding=rounding, **kwargs)
+    codes_ref[...] = _pack(codes, 2)
+    bits_ref[...] = bits
+    gs_ref[...] = s_g if s_g is not None else jnp.ones(gs_ref.shape, jnp.float32)
+    cbits_ref[...] = _pack(codes & 1, 8)
+
+
+def quantize_capture_pallas(
+    x: jax.Array,
+    fmt: BlockFormat,
+    *,
+    guide: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    guide_mode: GuidanceMode | None = None,
+    block_r: int,
+    interpret: bool,
+    num_warps: int = 4,
+):
+    """Runs the kernel on `x [R, N]` (R a multiple of `block_r`).
+
+    guide: (payload uint8 [R, N/2 or N/8], scale bits uint8 [R, NB], global float32 [R, 1]).
+    Returns (packed codes [R, N/2], scale bits [R, NB], global [R, 1], compact bits [R, N/8]).
+    """
+    r, n = x.shape
+    nb = n // fmt.block_size
+    grid = (r // block_r,)
+
+    def rows(width):
+        return pl.BlockSpec((block_r, width), lambda i: (i, 0))
+
+    in_specs = [rows(n)]
+    args = [x]
+    if guide is not None:
+        payload, g_bits, g_gs = guide
+        in_specs += [rows(payload.shape[1]), rows(nb), rows(1)]
+        args += [payload, g_bits, g_gs]
+    out_shape = (
+        jax.ShapeDtypeStruct((r, n // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((r, nb), jnp.uint8),
+        jax.ShapeDtypeStruct((r, 1), jnp.float32),
+        jax.ShapeDtypeStruct((r, n // 8), jnp.uint8),
+    )
+    return pl.pallas_call(
+        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[rows(n // 2), rows(nb), rows(1), rows(n // 8)],
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=None if interpret else common.triton_params(num_warps=num_warps),
+    )(*args)

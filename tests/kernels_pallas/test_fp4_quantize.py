@@ -1,0 +1,78 @@
+"""fp4_quantize (interpret mode on the CPU) against the trace_jax.fp4 reference, bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.fp4_quantize import fp4_quantize, last_backend, quantize_capture_reference
+from trace_jax import fp4
+
+
+def _assert_same(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for u, v in zip(la, lb, strict=True):
+        assert u.shape == v.shape and u.dtype == v.dtype
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _x(shape, seed, dtype=jnp.float32):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.t(k1, 3.0, shape) * jnp.exp(jax.random.normal(k2, (*shape[:-1], 1)) * 2)
+    x = x.reshape(-1, shape[-1]).at[0, :32].set(0.0).reshape(shape)  # an all-zero block
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((5, 64), jnp.float32), ((3, 7, 128), jnp.bfloat16), ((1, 256), jnp.float32)],
+)
+def test_rtn_capture_matches_reference(fmt, shape, dtype):
+    x = _x(shape, seed=sum(shape), dtype=dtype)
+    out = fp4_quantize(x, fmt, backend="pallas", block_r=4)
+    assert last_backend() == "pallas"
+    ref = quantize_capture_reference(x, fmt)
+    _assert_same(out, ref)
+    # The capture is exactly the compact guidance of the quantizer's own QTensor.
+    q = fp4.quantize(x, fmt)
+    _assert_same(out.compact_guidance(), fp4.make_guidance(q, "compact"))
+    _assert_same(out.qtensor(), q)
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", ["full", "compact"])
+def test_guided_matches_reference(fmt, mode):
+    x = _x((6, 128), seed=3)
+    noise = jax.random.normal(jax.random.key(9), x.shape)
+    g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=4)
+    _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    own = fp4.quantize(x, fmt)
+    assert not np.array_equal(np.asarray(out.qtensor().codes), np.asarray(own.codes))
+
+
+def test_non_power_of_two_rows_fall_back_to_xla():
+    x = _x((4, 96), seed=1)
+    out = fp4_quantize(x, fp4.NVFP4, backend="pallas")
+    assert last_backend() == "xla"
+    _assert_same(out, quantize_capture_reference(x, fp4.NVFP4))
+    fp4_quantize(x, fp4.NVFP4, backend="xla")
+    assert last_backend() == "xla"
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="packs FP4 codes"):
+        fp4_quantize(jnp.ones((2, 64)), "mxfp8")
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        fp4_quantize(jnp.ones((2, 40)), "nvfp4")
+    with pytest.raises(ValueError, match="floating-point"):
+        fp4_quantize(jnp.ones((2, 64), jnp.int32), "nvfp4")
+    g = fp4.make_guidance(fp4.quantize(jnp.ones((3, 64)), "nvfp4"))
+    with pytest.raises(ValueError, match="cannot guide"):
+        fp4_quantize(jnp.ones((2, 64)), "nvfp4", guidance=g)
+    with pytest.raises(ValueError, match="not a valid Backend"):
+        fp4_quantize(jnp.ones((2, 64)), "nvfp4", backend="cuda")
