@@ -1,0 +1,57 @@
+"""Grouped (ragged) MoE matmul with packed FP4 weights and FP4/FP8 block-scaled or bf16 activations.
+
+Contract: `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]`, with the
+weights stored `[G, N, K]` (contraction last, like the model's `[E, F, D]` expert weights):
+
+    rhs = pack_weights(w, fp4.NVFP4)            # w [G, N, K] float -> PackedFP4Weights
+    lhs = fp4.quantize(x_sorted, fp4.MXFP8)      # or MXFP4 / NVFP4 QTensor, or bfloat16 [M, K]
+    y = fp4_moe_matmul(lhs, rhs, group_sizes)    # [M, N] bfloat16, float32 accumulation
+
+Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Pallas, Triton
+lowering; its docstring has the design, the numerics and what a TPU lowering would need), `api.py`
+(backend choice with fallback).
+
+Status: the Pallas kernel is tested on the CPU in interpret mode against the reference, and its
+Triton IR lowering for an abstract H200 is checked; it has NOT been compiled or run on a GPU. The
+"scaled_matmul" backend (native block-scaled FP4 on Blackwell, compute capability >= 10, via
+`jax.nn.scaled_matmul`) is not implemented: it raises NotImplementedError (see
+`api._run_scaled_matmul`) and was never run here (no Blackwell GPU); nothing about it is measured.
+"""
+
+from kernels_pallas.fp4_moe_matmul.api import (
+    MoEBackend,
+    backend_order,
+    block_config,
+    fp4_moe_matmul,
+    fp4_moe_matmul_with_backend,
+)
+from kernels_pallas.fp4_moe_matmul.kernel import (
+    BlockConfig,
+    fp4_moe_matmul_pallas,
+    tile_group_ranges,
+)
+from kernels_pallas.fp4_moe_matmul.reference import (
+    PackedFP4Weights,
+    check_operands,
+    dequantize_lhs,
+    dequantize_weights,
+    fp4_moe_matmul_reference,
+    pack_weights,
+)
+
+__all__ = [
+    "BlockConfig",
+    "MoEBackend",
+    "PackedFP4Weights",
+    "backend_order",
+    "block_config",
+    "check_operands",
+    "dequantize_lhs",
+    "dequantize_weights",
+    "fp4_moe_matmul",
+    "fp4_moe_matmul_pallas",
+    "fp4_moe_matmul_reference",
+    "fp4_moe_matmul_with_backend",
+    "pack_weights",
+    "tile_group_ranges",
+]

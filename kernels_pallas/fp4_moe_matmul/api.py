@@ -1,0 +1,235 @@
+"""`fp4_moe_matmul`: picks a backend, falling back on NotImplementedError, the XLA reference last.
+
+Backends, in the order "auto" tries them:
+  * "scaled_matmul" (GPUs of compute capability >= 10 only): not implemented, it always raises
+    NotImplementedError (see `_run_scaled_matmul`); NOT run here (no Blackwell GPU).
+  * "pallas": `kernel.fp4_moe_matmul_pallas`, Triton on a GPU, interpret mode elsewhere.
+  * "xla": `reference.fp4_moe_matmul_reference`.
+"auto" off a GPU is the reference alone (`kernels_pallas.common.resolve_backend`). An explicitly
+named backend runs alone and its errors propagate.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.common import Backend, on_gpu, resolve_backend
+from kernels_pallas.fp4_moe_matmul.kernel import (
+    BlockConfig,
+    check_tiling,
+    fp4_moe_matmul_pallas,
+    lhs_format,
+)
+from kernels_pallas.fp4_moe_matmul.reference import (
+    Lhs,
+    PackedFP4Weights,
+    check_operands,
+    fp4_moe_matmul_reference,
+)
+
+_DEFAULTS = BlockConfig()
+_MIN_BLOCK = 16
+
+
+class MoEBackend(enum.StrEnum):
+    AUTO = "auto"
+    SCALED_MATMUL = "scaled_matmul"
+    PALLAS = "pallas"
+    XLA = "xla"
+
+
+def _compute_capability() -> float:
+    """The default GPU's compute capability (e.g. 9.0 on an H200), 0.0 off a GPU."""
+    if not on_gpu():
+        return 0.0
+    try:
+        return float(jax.devices()[0].compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
+
+
+def _pick_block(requested: int | None, default: int, dim: int, multiple: int, name: str) -> int:
+    """A requested block is used as is; the default shrinks (powers of two) until it divides dim.
+
+    Raises NotImplementedError when no default fits (the caller may fall back to XLA).
+    """
+    if requested is not None:
+        return requested
+    block = min(default, max(_MIN_BLOCK, pl.next_power_of_2(dim)))
+    while block >= max(_MIN_BLOCK, multiple):
+        if dim % block == 0 and block % multiple == 0:
+            return block
+        block //= 2
+    raise NotImplementedError(
+        f"pallas: no power-of-two {name} >= {max(_MIN_BLOCK, multiple)} divides {dim}"
+    )
+
+
+def block_config(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = _DEFAULTS.num_warps,
+    num_stages: int = _DEFAULTS.num_stages,
+) -> BlockConfig:
+    """The Pallas tiling for these operands: given blocks are checked (ValueError), missing ones
+    default to 64 and shrink to fit (block_m to M, block_n to divide N, block_k to divide K)."""
+    m = lhs.shape[0]
+    _, n, k = rhs.shape
+    fmt_blocks = [f.block_size for f in (rhs.fmt, lhs_format(lhs)) if f is not None]
+    if block_m is None:
+        block_m = min(_DEFAULTS.block_m, max(_MIN_BLOCK, pl.next_power_of_2(m)))
+    config = BlockConfig(
+        block_m=block_m,
+        block_n=_pick_block(block_n, _DEFAULTS.block_n, n, 1, "block_n"),
+        block_k=_pick_block(block_k, _DEFAULTS.block_k, k, max(fmt_blocks), "block_k"),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    check_tiling(config, lhs, rhs)
+    return config
+
+
+def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
+    """Native block-scaled FP4 matmul through `jax.nn.scaled_matmul`: not implemented.
+
+    `jax.nn.scaled_matmul` is a dense batched `[B, M, K] x [B, N, K]` product (cuDNN on compute
+    capability >= 10 for MXFP8 x MXFP8 or NVFP4 x NVFP4 operands, with matching block sizes). A
+    ragged grouped product would need every group padded to a static capacity (up to G * M rows of
+    compute), and it has no bfloat16-activation or W4A8 (MXFP8 x FP4) form. Never run here.
+    """
+    del lhs, rhs, group_sizes, tiling, interpret, out_dtype
+    if _compute_capability() < 10:
+        raise NotImplementedError(
+            "scaled_matmul backend needs a GPU of compute capability >= 10 (Blackwell)"
+        )
+    raise NotImplementedError(
+        "scaled_matmul backend is not implemented: jax.nn.scaled_matmul is dense (batched, no "
+        "group_sizes) and needs matching NVFP4 x NVFP4 or MXFP8 x MXFP8 operands; use 'pallas'"
+    )
+
+
+def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
+    config = block_config(lhs, rhs, **tiling)
+    return fp4_moe_matmul_pallas(
+        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
+    )
+
+
+def _run_xla(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
+    del tiling, interpret
+    return fp4_moe_matmul_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)
+
+
+_RUNNERS: dict[MoEBackend, Callable[..., jax.Array]] = {
+    MoEBackend.SCALED_MATMUL: _run_scaled_matmul,
+    MoEBackend.PALLAS: _run_pallas,
+    MoEBackend.XLA: _run_xla,
+}
+
+
+def backend_order(backend: str | MoEBackend, interpret: bool | None):
+    """Returns (backends to try in order, Pallas interpret flag)."""
+    backend = MoEBackend(backend)
+    if backend is MoEBackend.SCALED_MATMUL:
+        return (backend,), bool(interpret)
+    resolved, interpret = resolve_backend(Backend(backend.value), interpret)
+    if backend is not MoEBackend.AUTO:
+        return (MoEBackend(resolved.value),), interpret
+    if resolved is Backend.XLA:
+        return (MoEBackend.XLA,), interpret
+    order = (MoEBackend.PALLAS, MoEBackend.XLA)
+    if _compute_capability() >= 10:
+        order = (MoEBackend.SCALED_MATMUL, *order)
+    return order, interpret
+
+
+def fp4_moe_matmul_with_backend(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    group_sizes: jax.Array,
+    *,
+    backend: str | MoEBackend = "auto",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = _DEFAULTS.num_warps,
+    num_stages: int = _DEFAULTS.num_stages,
+    interpret: bool | None = None,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> tuple[jax.Array, MoEBackend]:
+    """`fp4_moe_matmul` that also returns the backend that ran."""
+    check_operands(lhs, rhs, group_sizes)
+    order, interpret = backend_order(backend, interpret)
+    tiling = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    for i, name in enumerate(order):
+        try:
+            out = _RUNNERS[name](
+                lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, out_dtype=out_dtype
+            )
+        except NotImplementedError:
+            if i == len(order) - 1:
+                raise
+            continue
+        return out, name
+    raise AssertionError("unreachable: the last backend either returns or raises")
+
+
+def fp4_moe_matmul(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    group_sizes: jax.Array,
+    *,
+    backend: str | MoEBackend = "auto",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = _DEFAULTS.num_warps,
+    num_stages: int = _DEFAULTS.num_stages,
+    interpret: bool | None = None,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> jax.Array:
+    """Grouped matmul `lhs [M, K] x rhs [G, N, K] -> [M, N]`, the `jax.lax.ragged_dot` contract.
+
+    Args:
+      lhs: bfloat16 `[M, K]`, or a `QTensor` `[M, K]` (MXFP4, NVFP4 or MXFP8; blocks along K).
+      rhs: `PackedFP4Weights` `[G, N, K]` (see `pack_weights`).
+      group_sizes: int32 `[G]`; rows are grouped contiguously, `sum(group_sizes) <= M`, rows past
+        the sum give 0.
+      backend: "auto" | "pallas" | "scaled_matmul" | "xla" (see the module docstring).
+      block_m, block_n, block_k: Pallas tiles (powers of two >= 16). None: 64, shrunk to fit M,
+        to divide N, and to divide K while staying a multiple of the formats' block sizes.
+      num_warps, num_stages: Triton launch parameters.
+      interpret: Pallas interpret mode; None: on unless running on a GPU.
+      out_dtype: output dtype; every backend accumulates in float32.
+
+    Not differentiable (no custom_vjp): the rollout path only runs it forward.
+    """
+    out, _ = fp4_moe_matmul_with_backend(
+        lhs,
+        rhs,
+        group_sizes,
+        backend=backend,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+        out_dtype=out_dtype,
+    )
+    return out

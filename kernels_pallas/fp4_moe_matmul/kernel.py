@@ -1,0 +1,303 @@
+"""Pallas grouped matmul with packed FP4 weights, decoded in-kernel (Triton lowering on a GPU).
+
+Axis legend: M rows of lhs (sorted by group), K contraction, N outputs, G groups (experts);
+T = cdiv(M, block_m) row tiles.
+
+Design. The grid is (T, N // block_n). Program (i, j) owns output tile rows
+`[i * block_m, (i + 1) * block_m)` x columns `[j * block_n, (j + 1) * block_n)` and writes it
+once. A row tile may straddle group boundaries, so the program loops over the groups that touch
+its rows, `[first[i], end[i])` (from `tile_group_ranges`, a few XLA ops on `[T]` vectors outside
+the kernel; the Triton lowering has no scalar prefetch), and for each group:
+  * skips it if it is empty (`lax.cond`);
+  * loops over K in `block_k` steps: loads the lhs tile with rows outside the group masked to zero
+    (this also keeps loads of a ragged last tile in bounds), decodes it (E2M1/E4M3 codes through
+    `trace_jax.fp4.numerics`, block scales from their uint8 bits) and scales it per block; loads the
+    expert's packed weight bytes `[block_n, block_k // 2]`, splits the nibbles, interleaves them
+    back into K order (`tt.join` + reshape), decodes E2M1 and applies the block scales; feeds both
+    as bfloat16 to `jnp.dot` with float32 accumulation (Hopper has no FP4 tensor cores);
+  * multiplies the group's float32 sum by the global scales (the expert's, and the per-row NVFP4
+    activation scale) and selects it into the rows of that group.
+Rows past `sum(group_sizes)` belong to no group and stay 0; the store is masked to rows < M.
+Cost: a tile spanning s groups does s passes over K, so the extra work is at most one tile per
+group boundary (the same count as padding every group to `block_m`), without gathering lhs into a
+padded layout.
+
+Numerics. A decoded operand is exact in bfloat16: E2M1 (2 significant bits) times an E4M3 scale
+(4 bits) or a power of two, and E4M3 elements times a power of two, all fit bfloat16's 8 bits and
+exponent range (for scales in the normal range). The dot's products are exact and accumulate in
+float32; only the NVFP4 global scales (arbitrary float32) are applied after the dot, as two
+float32 multiplications. The reference instead rounds `code * (block_scale * global_scale)` per
+element in float32, so the two agree to float32 summation error (see the tests' tolerance).
+
+GPU status: written for, but NOT run on, a GPU (no device time in this session). CPU tests run it
+in interpret mode and lower it to Triton IR for an abstract H200 (`jax.export`); Triton
+compilation to PTX, the numerics on device and the speed are unverified. JAX 0.11 marks the Pallas
+Triton backend deprecated in favour of Mosaic GPU.
+
+A TPU (Mosaic) lowering would need: scalar prefetch (`PrefetchScalarGridSpec`) of a
+(row tile, group) visit list as in megablox's `gmm`, so index maps fetch only the visited expert's
+weight block instead of the `[G, block_n, K // 2]` panel used here; a sequential grid that revisits
+one output block per tile and accumulates in a VMEM scratch; `(8, 128)`-aligned blocks (block_n
+and block_k multiples of 128, uint8 tiles of `(32, 128)`); a weight layout whose nibbles need no
+lane interleave (e.g. low nibbles = first half of each K block, high = second half, chosen at pack
+time); and Mosaic equivalents for the masked loads/stores (row masks via `jnp.where`, a padded M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.common import (
+    decode_e2m1,
+    decode_scale_bits,
+    scale_bits,
+    triton_params,
+    unpack_nibbles,
+)
+from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights, check_operands
+from trace_jax import fp4
+from trace_jax.fp4 import numerics
+
+_MIN_DOT_DIM = 16  # Triton's smallest tensor-core tile edge for bfloat16 `tl.dot`.
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """Tiling and Triton launch parameters (defaults: a first guess, not tuned on a GPU)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not _is_pow2(value) or value < _MIN_DOT_DIM:
+                raise ValueError(f"{name} must be a power of two >= {_MIN_DOT_DIM}, got {value}")
+        if not _is_pow2(self.num_warps):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def lhs_format(lhs: Lhs) -> fp4.BlockFormat | None:
+    """The activations' block format, or None for plain bfloat16."""
+    return lhs.fmt if isinstance(lhs, fp4.QTensor) else None
+
+
+def check_tiling(config: BlockConfig, lhs: Lhs, rhs: PackedFP4Weights) -> None:
+    """Raises ValueError unless the blocks tile N and K and align with the formats' scale blocks."""
+    _, n, k = rhs.shape
+    if n % config.block_n:
+        raise ValueError(f"block_n={config.block_n} must divide N={n}")
+    if k % config.block_k:
+        raise ValueError(f"block_k={config.block_k} must divide K={k}")
+    for fmt in (rhs.fmt, lhs_format(lhs)):
+        if fmt is not None and config.block_k % fmt.block_size:
+            raise ValueError(
+                f"block_k={config.block_k} must be a multiple of the {fmt.name} block size "
+                f"{fmt.block_size}"
+            )
+
+
+def tile_group_ranges(group_sizes: jax.Array, m: int, block_m: int):
+    """Group boundaries and, per row tile, the half-open range of groups that touch it.
+
+    Returns:
+      bounds: int32 `[G + 1]`: group g owns rows `[bounds[g], bounds[g + 1])`, clipped to M.
+      first, end: int32 `[T]`: tile i touches groups `first[i] <= g < end[i]` (empty groups
+        inside the range included; tiles past the last row get an empty range).
+    """
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    tile_start = jnp.arange(pl.cdiv(m, block_m), dtype=jnp.int32) * block_m
+    tile_end = jnp.minimum(tile_start + block_m, m)
+    first = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
+    end = jnp.searchsorted(starts, tile_end, side="left").astype(jnp.int32)
+    return bounds, first, end
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+    m: int
+    k: int
+    block_m: int
+    block_n: int
+    block_k: int
+    lhs_fmt: fp4.BlockFormat | None
+    w_fmt: fp4.BlockFormat
+    out_dtype: jnp.dtype
+
+    @property
+    def num_lhs_refs(self) -> int:
+        if self.lhs_fmt is None:
+            return 1
+        return 3 if self.lhs_fmt.has_global_scale else 2
+
+
+def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
+    """`[R, NB]` per-block values -> `[R, NB * block]` per-element values."""
+    r, nb = s.shape
+    return jnp.broadcast_to(s[:, :, None], (r, nb, block)).reshape(r, nb * block)
+
+
+def _lhs_tile(lhs_refs, k0, in_group, st: _Statics) -> jax.Array:
+    """bfloat16 `[block_m, block_k]` activations at K offset k0; rows outside the group are 0."""
+    bm, bk = st.block_m, st.block_k
+    mask = jnp.broadcast_to(in_group[:, None], (bm, bk))
+    if st.lhs_fmt is None:
+        return plgpu.load(lhs_refs[0].at[:, pl.ds(k0, bk)], mask=mask, other=0.0)
+    fmt = st.lhs_fmt
+    nb = bk // fmt.block_size
+    codes = plgpu.load(lhs_refs[0].at[:, pl.ds(k0, bk)], mask=mask, other=0)
+    s_mask = jnp.broadcast_to(in_group[:, None], (bm, nb))
+    sbits = plgpu.load(lhs_refs[1].at[:, pl.ds(k0 // fmt.block_size, nb)], mask=s_mask, other=0)
+    values = numerics.decode(codes, fmt.elem)
+    scales = _expand_blocks(decode_scale_bits(sbits, fmt), fmt.block_size)
+    return (values * scales).astype(jnp.bfloat16)
+
+
+def _weight_tile(w_refs, g, k0, st: _Statics) -> jax.Array:
+    """bfloat16 `[block_n, block_k]` weights of expert g at K offset k0 (without global scale)."""
+    bn, bk, fmt = st.block_n, st.block_k, st.w_fmt
+    nb = bk // fmt.block_size
+    half = pl.multiple_of(k0 // 2, bk // 2)
+    low, high = unpack_nibbles(w_refs[0][g, :, pl.ds(half, bk // 2)])  # [bn, bk / 2] each
+    codes = jnp.stack([low, high], axis=-1).reshape(bn, bk)  # element 2i = low nibble
+    sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, nb)]
+    scales = _expand_blocks(decode_scale_bits(sbits, fmt), fmt.block_size)
+    return (decode_e2m1(codes) * scales).astype(jnp.bfloat16)
+
+
+def _kernel(*refs, st: _Statics):
+    bounds_ref, first_ref, end_ref = refs[:3]
+    lhs_refs = refs[3 : 3 + st.num_lhs_refs]
+    w_refs = refs[3 + st.num_lhs_refs : -1]
+    out_ref = refs[-1]
+    bm, bn = st.block_m, st.block_n
+
+    i = pl.program_id(0)
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    in_bounds = rows < st.m
+    row_scale = None
+    if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
+        row_scale = plgpu.load(lhs_refs[2], mask=in_bounds, other=1.0)[:, None]  # [bm, 1]
+
+    def group_step(g, acc):
+        lo = bounds_ref[g]
+        hi = bounds_ref[g + 1]
+        in_group = (rows >= lo) & (rows < hi)
+
+        def k_step(kk, acc_g):
+            k0 = pl.multiple_of(kk * st.block_k, st.block_k)
+            a = _lhs_tile(lhs_refs, k0, in_group, st)  # [bm, bk]
+            w = _weight_tile(w_refs, g, k0, st)  # [bn, bk]
+            return acc_g + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
+
+        def visit(acc):
+            acc_g = jax.lax.fori_loop(
+                0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32)
+            )
+            if st.w_fmt.has_global_scale:
+                acc_g = acc_g * w_refs[2][g]
+            if row_scale is not None:
+                acc_g = acc_g * row_scale
+            return jnp.where(in_group[:, None], acc_g, acc)
+
+        return jax.lax.cond(hi > lo, visit, lambda acc: acc, acc)
+
+    acc = jax.lax.fori_loop(first_ref[i], end_ref[i], group_step, jnp.zeros((bm, bn), jnp.float32))
+    out_mask = jnp.broadcast_to(in_bounds[:, None], (bm, bn))
+    plgpu.store(out_ref, acc.astype(st.out_dtype), mask=out_mask)
+
+
+def fp4_moe_matmul_pallas(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    group_sizes: jax.Array,
+    *,
+    config: BlockConfig = BlockConfig(),
+    interpret: bool = False,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> jax.Array:
+    """Grouped `lhs [M, K] x rhs [G, N, K] -> [M, N]` (ragged_dot contract) in one Pallas call.
+
+    Args:
+      lhs: bfloat16 `[M, K]` or a `QTensor` `[M, K]` (MXFP4, NVFP4 or MXFP8, blocks along K).
+      rhs: packed FP4 weights `[G, N, K]`.
+      group_sizes: int32 `[G]`, `sum(group_sizes) <= M`; rows past the sum give 0.
+      config: tiles (`block_n` must divide N, `block_k` must divide K and be a multiple of both
+        formats' block sizes) and Triton launch parameters.
+      interpret: run in Pallas interpret mode (CPU tests).
+      out_dtype: output dtype (float32 accumulation either way).
+    """
+    m, _, n, _ = check_operands(lhs, rhs, group_sizes)
+    check_tiling(config, lhs, rhs)
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    return _pallas_call(
+        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
+def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
+    m, k = lhs.shape
+    g, n, _ = rhs.shape
+    bm, bn = config.block_m, config.block_n
+    num_tiles = pl.cdiv(m, bm)
+    lhs_fmt = lhs_format(lhs)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype)
+
+    def whole(size):
+        return pl.BlockSpec((size,), lambda i, j: (0,))
+
+    def row_panel(width):
+        return pl.BlockSpec((bm, width), lambda i, j: (i, 0))
+
+    bounds, first, end = tile_group_ranges(group_sizes, m, bm)
+    operands = [bounds, first, end]
+    in_specs = [whole(g + 1), whole(num_tiles), whole(num_tiles)]
+    if lhs_fmt is None:
+        operands.append(lhs)
+        in_specs.append(row_panel(k))
+    else:
+        operands += [lhs.codes, scale_bits(lhs.scales)]
+        in_specs += [row_panel(k), row_panel(k // lhs_fmt.block_size)]
+        if lhs_fmt.has_global_scale:
+            gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
+            operands.append(gs)
+            in_specs.append(pl.BlockSpec((bm,), lambda i, j: (i,)))
+    operands += [rhs.codes, scale_bits(rhs.scales)]
+    in_specs += [
+        pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
+        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda i, j: (0, j, 0)),
+    ]
+    if rhs.fmt.has_global_scale:
+        operands.append(rhs.global_scale.reshape(g))
+        in_specs.append(whole(g))
+
+    return pl.pallas_call(
+        functools.partial(_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_tiles, n // bn),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="fp4_moe_matmul",
+    )(*operands)

@@ -1,0 +1,290 @@
+"""Grouped FP4 MoE matmul: every backend against the float32 ragged_dot reference.
+
+One test base runs the shared cases through the api with a given backend; each backend is a short
+subclass. Shapes: M = 40 rows (not a multiple of block_m = 16), K = 64, N = 32, G = 4, with ragged
+group sizes (an empty group, a group of one, sum < M so trailing rows must be 0).
+
+Tolerance (outputs in float32): |out - ref| <= 1e-5 * (|a| @ |w|^T), per element, where |a|, |w|
+are the dequantized magnitudes. Why: the kernel's bfloat16 operands are exact (an E2M1 or E4M3
+code times its block scale fits bfloat16; see kernel.py), so kernel and reference add the same
+exact products in float32 and differ only by summation order, <= (K - 1) * 2**-24 ~ 3.8e-6 of the
+sum of magnitudes, plus a few float32 roundings where the NVFP4 global scales are applied
+(reference: per element, kernel: after the dot), ~2.4e-7. 1e-5 is over twice that bound; an error
+in a scale or a code is far larger (a kernel without the weights' global scale, or with its
+nibbles swapped, misses by ~5e7 times the bound). The "xla" backend is the reference and must
+match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.fp4_moe_matmul import (
+    BlockConfig,
+    MoEBackend,
+    PackedFP4Weights,
+    api,
+    backend_order,
+    dequantize_lhs,
+    dequantize_weights,
+    fp4_moe_matmul,
+    fp4_moe_matmul_pallas,
+    fp4_moe_matmul_reference,
+    fp4_moe_matmul_with_backend,
+    pack_weights,
+    tile_group_ranges,
+)
+from trace_jax import fp4
+
+M, K, N, G = 40, 64, 32, 4
+RTOL_OF_MAGNITUDE = 1e-5
+GROUP_SIZES = {
+    "empty_one_ragged": (0, 1, 25, 9),  # sum 35 < M; tiles straddle groups
+    "middle_empty": (7, 0, 0, 30),
+    "one_group_all_rows": (0, 0, 40, 0),
+    "all_empty": (0, 0, 0, 0),
+}
+W_FORMATS = [fp4.NVFP4, fp4.MXFP4]
+A_FORMATS = [None, fp4.MXFP4, fp4.NVFP4, fp4.MXFP8]  # None: bfloat16 activations
+
+
+def _id(fmt) -> str:
+    return "bf16" if fmt is None else fmt.name
+
+
+@functools.cache
+def _activations(a_fmt, m, k, seed):
+    x = jax.random.normal(jax.random.key(seed), (m, k), jnp.float32)
+    if a_fmt is None:
+        return x.astype(jnp.bfloat16)
+    return jax.jit(fp4.quantize, static_argnums=1)(x, a_fmt)
+
+
+@functools.cache
+def _weights(w_fmt, n, k, seed):
+    w = jax.random.normal(jax.random.key(seed + 1000), (G, n, k), jnp.float32)
+    return jax.jit(pack_weights, static_argnums=1)(w, w_fmt)
+
+
+def make_operands(w_fmt, a_fmt, *, m=M, k=K, n=N, seed=0):
+    """Random normal activations `[m, k]` (bf16 or a QTensor) and packed weights `[G, n, k]`."""
+    return _activations(a_fmt, m, k, seed), _weights(w_fmt, n, k, seed)
+
+
+@jax.jit
+def reference_and_magnitude(lhs, rhs, group_sizes):
+    """The float32 reference and |a| @ |w|^T per group (the scale of float32 summation error)."""
+    ref = fp4_moe_matmul_reference(lhs, rhs, group_sizes, out_dtype=jnp.float32)
+    a = jnp.abs(dequantize_lhs(lhs))
+    w = jnp.swapaxes(jnp.abs(dequantize_weights(rhs)), -1, -2)
+    mag = jax.lax.ragged_dot(
+        a, w, group_sizes, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return ref, mag
+
+
+def assert_matches_reference(out, lhs, rhs, group_sizes, *, exact: bool):
+    ref, mag = map(np.asarray, reference_and_magnitude(lhs, rhs, group_sizes))
+    out = np.asarray(out)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    if exact:
+        np.testing.assert_array_equal(out, ref)
+    else:
+        bound = RTOL_OF_MAGNITUDE * mag
+        err = np.abs(out - ref)
+        worst = float(np.max(err / np.maximum(bound, 1e-30)))
+        assert np.all(err <= bound), f"max |error| {err.max():.3g}, {worst:.3g} x the bound"
+    total = int(np.sum(group_sizes))
+    np.testing.assert_array_equal(out[total:], 0.0)  # rows past sum(group_sizes)
+
+
+class _Cases:
+    """Shared cases; a subclass sets `backend` (and `exact` if it must equal the reference)."""
+
+    backend: ClassVar[str]
+    exact: ClassVar[bool] = False
+    tiling: ClassVar[dict] = {}
+
+    def op(self, lhs, rhs, group_sizes, **kwargs):
+        return fp4_moe_matmul(lhs, rhs, group_sizes, backend=self.backend, **self.tiling, **kwargs)
+
+    @pytest.mark.parametrize("a_fmt", A_FORMATS, ids=_id)
+    @pytest.mark.parametrize("w_fmt", W_FORMATS, ids=_id)
+    def test_matches_reference(self, w_fmt, a_fmt):
+        lhs, rhs = make_operands(w_fmt, a_fmt)
+        run = jax.jit(lambda gs: self.op(lhs, rhs, gs, out_dtype=jnp.float32))  # one compile
+        for sizes in GROUP_SIZES.values():
+            gs = jnp.asarray(sizes, jnp.int32)
+            assert_matches_reference(run(gs), lhs, rhs, gs, exact=self.exact)
+
+    def test_bfloat16_output(self):
+        lhs, rhs = make_operands(fp4.NVFP4, fp4.MXFP8)
+        gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+        out = self.op(lhs, rhs, gs)
+        assert out.dtype == jnp.bfloat16
+        ref, mag = map(np.asarray, reference_and_magnitude(lhs, rhs, gs))
+        # One bfloat16 rounding of the float32 result (2**-9 relative) on top of the f32 bound.
+        bound = 2.0**-8 * np.abs(ref) + RTOL_OF_MAGNITUDE * mag
+        assert np.all(np.abs(np.asarray(out, np.float32) - ref) <= bound)
+
+
+class TestXla(_Cases):
+    backend = "xla"
+    exact = True
+
+
+class TestPallasInterpret(_Cases):
+    backend = "pallas"
+    tiling: ClassVar[dict] = dict(block_m=16, block_n=16, block_k=32, interpret=True)
+
+    def test_default_tiles(self):
+        """Default tiles (one 64-row tile holding every group, block_k = K)."""
+        lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4, seed=1)
+        gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+        out = fp4_moe_matmul(lhs, rhs, gs, backend="pallas", interpret=True, out_dtype=jnp.float32)
+        assert_matches_reference(out, lhs, rhs, gs, exact=False)
+        config = api.block_config(lhs, rhs)
+        assert (config.block_m, config.block_n, config.block_k) == (64, 32, 64)
+
+    def test_nan_block_stays_in_its_group(self):
+        """A NaN weight block poisons only its own expert's rows.
+
+        (The reference cannot be compared here: XLA's ragged_dot on the CPU computes masked dense
+        products, so a NaN in one expert's weights leaks into every row of that output column.)
+        """
+        lhs, clean = make_operands(fp4.MXFP4, None)
+        bits = jax.lax.bitcast_convert_type(clean.scales, jnp.uint8).at[2, 5, 0].set(0xFF)  # NaN
+        rhs = PackedFP4Weights(
+            clean.codes, jax.lax.bitcast_convert_type(bits, clean.fmt.scale_dtype), None, clean.fmt
+        )
+        gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)  # expert 2: rows 1..25
+        out = np.asarray(self.op(lhs, rhs, gs, out_dtype=jnp.float32))
+        expected_nan = np.zeros(out.shape, bool)
+        expected_nan[1:26, 5] = True
+        np.testing.assert_array_equal(np.isnan(out), expected_nan)
+        ref = np.asarray(fp4_moe_matmul_reference(lhs, clean, gs, out_dtype=jnp.float32))
+        np.testing.assert_allclose(np.delete(out, 5, 1), np.delete(ref, 5, 1), rtol=0, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)])
+def test_lowers_to_triton_for_h200(w_fmt, a_fmt):
+    """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
+    from jax.experimental.pallas import triton as plgpu
+
+    lhs, rhs = make_operands(w_fmt, a_fmt)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    f = functools.partial(
+        fp4_moe_matmul_pallas, config=BlockConfig(block_m=16, block_n=16, block_k=32)
+    )
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+            lhs, rhs, gs
+        )
+    assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+
+
+def test_tile_group_ranges_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        m, block_m = int(rng.integers(1, 80)), int(rng.choice([16, 32]))
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(5) / 5) * rng.integers(0, 2, 5)
+        bounds, first, end = map(
+            np.asarray, tile_group_ranges(jnp.asarray(sizes, jnp.int32), m, block_m)
+        )
+        np.testing.assert_array_equal(bounds, np.concatenate([[0], np.cumsum(sizes)]))
+        for i in range(len(first)):
+            rows = set(range(i * block_m, min((i + 1) * block_m, m)))
+            touching = {g for g in range(5) if rows & set(range(bounds[g], bounds[g + 1]))}
+            visited = set(range(first[i], end[i]))
+            assert touching <= visited
+            assert all(sizes[g] == 0 for g in visited - touching)  # only empty extras
+
+
+def test_auto_is_the_reference_off_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks the CPU choice")
+    assert backend_order("auto", None) == ((MoEBackend.XLA,), True)
+    assert backend_order("pallas", None) == ((MoEBackend.PALLAS,), True)
+    lhs, rhs = make_operands(fp4.MXFP4, fp4.MXFP4)
+    gs = jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32)
+    out, ran = fp4_moe_matmul_with_backend(lhs, rhs, gs, out_dtype=jnp.float32)
+    assert ran is MoEBackend.XLA
+    assert_matches_reference(out, lhs, rhs, gs, exact=True)
+
+
+def test_scaled_matmul_is_not_implemented():
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4)
+    gs = jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32)
+    with pytest.raises(NotImplementedError, match="scaled_matmul"):
+        fp4_moe_matmul(lhs, rhs, gs, backend="scaled_matmul")
+
+
+def test_auto_falls_back_when_pallas_cannot_tile(monkeypatch):
+    """N = 40 has no power-of-two block_n >= 16 dividing it: Pallas raises, XLA runs."""
+    lhs, rhs = make_operands(fp4.NVFP4, None, n=40)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    with pytest.raises(NotImplementedError, match="block_n"):
+        fp4_moe_matmul(lhs, rhs, gs, backend="pallas", interpret=True)
+    order = (MoEBackend.SCALED_MATMUL, MoEBackend.PALLAS, MoEBackend.XLA)
+    monkeypatch.setattr(api, "backend_order", lambda backend, interpret: (order, True))
+    out, ran = fp4_moe_matmul_with_backend(lhs, rhs, gs, out_dtype=jnp.float32)
+    assert ran is MoEBackend.XLA
+    assert_matches_reference(out, lhs, rhs, gs, exact=True)
+
+
+def test_no_rows():
+    _, rhs = make_operands(fp4.NVFP4, None)
+    out = fp4_moe_matmul(
+        jnp.zeros((0, K), jnp.bfloat16),
+        rhs,
+        jnp.zeros((G,), jnp.int32),
+        backend="pallas",
+        interpret=True,
+    )
+    assert out.shape == (0, N) and out.dtype == jnp.bfloat16
+
+
+def test_bad_inputs_raise_clear_errors():
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.MXFP4)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    run = functools.partial(fp4_moe_matmul, backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match="contraction mismatch"):
+        run(jnp.zeros((M, 2 * K), jnp.bfloat16), rhs, gs)
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(G,\)"):
+        run(lhs, rhs, jnp.ones((G + 1,), jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes must be int32"):
+        run(lhs, rhs, gs.astype(jnp.float32))
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        run(jnp.zeros((M, K), jnp.float32), rhs, gs)
+    with pytest.raises(ValueError, match=r"lhs must be \[M, K\]"):
+        run(jnp.zeros((2, M, K), jnp.bfloat16), rhs, gs)
+    bad_codes = PackedFP4Weights(rhs.codes.astype(jnp.int8), rhs.scales, rhs.global_scale, rhs.fmt)
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        run(lhs, bad_codes, gs)
+    per_row = PackedFP4Weights(rhs.codes, rhs.scales, jnp.ones((G, N, 1)), rhs.fmt)
+    with pytest.raises(ValueError, match="one value per expert"):
+        run(lhs, per_row, gs)
+    with pytest.raises(TypeError, match="PackedFP4Weights"):
+        run(lhs, dequantize_weights(rhs), gs)
+    with pytest.raises(ValueError, match="FP4"):
+        pack_weights(jnp.ones((G, N, K)), fp4.MXFP8)
+    # K not a multiple of the format's block size.
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        pack_weights(jnp.ones((G, N, 40)), fp4.NVFP4)
+    # Tiles that do not fit the operands.
+    with pytest.raises(ValueError, match="multiple of the mxfp4 block size"):
+        run(lhs, rhs, gs, block_k=16)
+    with pytest.raises(ValueError, match="block_n=64 must divide N=32"):
+        run(lhs, rhs, gs, block_n=64)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        run(lhs, rhs, gs, block_m=24)
