@@ -90,13 +90,21 @@ class KVCache:
 
 
 def init_cache(
-    cfg: ModelConfig, *, batch: int, max_len: int, kv_format: str | BlockFormat | None = None
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    max_len: int,
+    kv_format: str | BlockFormat | None = None,
+    kernel_backend: str = "xla",
 ) -> KVCache:
     """An empty cache of `max_len` slots for `batch` sequences (lengths 0).
 
     kv_format: None for a cache in the compute dtype, or an FP4 format ("nvfp4", "mxfp4") for a
     packed FP4 cache (`PackedLayerKVCache`: codes two per byte plus block scales).
+    kernel_backend: "xla" or "pallas" (Pallas quantize-on-write and FP4 decode attention).
     """
+    if kernel_backend not in ("xla", "pallas"):
+        raise ValueError(f"kernel_backend must be 'xla' or 'pallas', got {kernel_backend!r}")
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got {batch}, {max_len}")
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
@@ -104,7 +112,8 @@ def init_cache(
         fmt = fp4.get_format(kv_format)
         layers = tuple(
             PackedLayerKVCache(
-                k=PackedTensorCache.empty(shape, fmt), v=PackedTensorCache.empty(shape, fmt)
+                k=PackedTensorCache.empty(shape, fmt, kernel_backend),
+                v=PackedTensorCache.empty(shape, fmt, kernel_backend),
             )
             for _ in range(cfg.n_layers)
         )
@@ -219,6 +228,19 @@ class Attention(nnx.Module):
             if slots is None:
                 raise ValueError("Attention with a cache needs `slots` [B, T]")
             cache = cache_write(cache, k, v, slots, k_raw=k_raw, v_raw=v_raw)
+            if (
+                isinstance(cache, PackedLayerKVCache)
+                and cache.k.kernel_backend == "pallas"
+                and q.shape[1] == 1
+            ):
+                # One new token: the FP4 decode-attention kernel reads the packed cache directly.
+                from kernels_pallas.fp4_decode_attention import fp4_decode_attention
+
+                out = fp4_decode_attention(
+                    q[:, 0], cache.k, cache.v, slots[:, 0] + 1, backend="pallas"
+                )
+                y = jnp.einsum("bhc,hcd->bd", out.astype(dt), self.w_o[...].astype(dt))
+                return y[:, None], cache
             k, v = cache_read(cache, dt)
         b, t = q.shape[:2]
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]

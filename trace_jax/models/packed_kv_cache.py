@@ -1,9 +1,10 @@
 """FP4 KV cache: K and V stored as packed codes plus block scales (4.25-4.5 bits per element).
 
 Writes quantize the raw K/V per token and head (blocks along head_dim) with round-to-nearest, the
-same `trace_jax.fp4.quantize` call the rollout's "k"/"v" sites make, so the cache holds exactly the
-codes the guidance records. Reads dequantize to the compute dtype (the Pallas decode-attention
-kernel reads the packed bytes directly instead).
+same quantizer the rollout's "k"/"v" sites run, so the cache holds exactly the codes the guidance
+records. With `kernel_backend="pallas"` writes go through the fused Pallas quantize kernel and
+decode steps attend with the Pallas FP4 decode-attention kernel, which reads the packed bytes
+directly; with "xla" reads dequantize to the compute dtype. Both give identical codes.
 
 Axis legend: B batch, S slots, Hkv kv heads, Dh head dim, NB = Dh / block.
 """
@@ -29,9 +30,12 @@ class PackedTensorCache:
     scales: jax.Array
     global_scale: jax.Array | None
     fmt: BlockFormat = dataclasses.field(metadata=dict(static=True))
+    kernel_backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @classmethod
-    def empty(cls, shape: tuple[int, ...], fmt: BlockFormat) -> PackedTensorCache:
+    def empty(
+        cls, shape: tuple[int, ...], fmt: BlockFormat, kernel_backend: str = "xla"
+    ) -> PackedTensorCache:
         b, s, h, d = shape
         if not fmt.is_fp4:
             raise ValueError(f"the packed KV cache stores FP4; got {fmt.name}")
@@ -44,11 +48,17 @@ class PackedTensorCache:
             scales=fp4.empty_scales((b, s, h, d // fmt.block_size), fmt),
             global_scale=jnp.ones((b, s, h, 1), jnp.float32) if fmt.has_global_scale else None,
             fmt=fmt,
+            kernel_backend=kernel_backend,
         )
 
     def write(self, x: jax.Array, slots: jax.Array) -> PackedTensorCache:
         """Quantizes `x [B, T, Hkv, Dh]` (RTN) into `slots [B, T]` (out of range: dropped)."""
-        q = fp4.quantize(x, self.fmt)
+        if self.kernel_backend == "pallas":
+            from kernels_pallas.fp4_quantize import fp4_quantize
+
+            q = fp4_quantize(x, self.fmt, backend="pallas").qtensor()
+        else:
+            q = fp4.quantize(x, self.fmt)
         b = jnp.arange(x.shape[0])[:, None]
 
         def put(buf, val):
@@ -59,6 +69,7 @@ class PackedTensorCache:
             scales=put(self.scales, q.scales),
             global_scale=None if q.global_scale is None else put(self.global_scale, q.global_scale),
             fmt=self.fmt,
+            kernel_backend=self.kernel_backend,
         )
 
     def read(self, dtype) -> jax.Array:

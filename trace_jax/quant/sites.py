@@ -80,6 +80,8 @@ class QuantSites:
       valid: bool `[B, T]`, real (non-padding) positions; only these count and get guidance.
       differentiable: use the straight-through `fake_quant` (trainer); else plain
         quantize/dequantize (rollout). Both give the same values.
+      kernel_backend: rollout only: "pallas" quantizes FP4 activation and KV sites with the fused
+        Pallas quantize + capture kernel (identical codes), "xla" with `trace_jax.fp4`.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class QuantSites:
         capture: Iterable[str] = (),
         valid: jax.Array | None = None,
         differentiable: bool = True,
+        kernel_backend: str = "xla",
     ):
         self.qcfg = qcfg
         self.mode = SiteMode(mode)
@@ -104,6 +107,11 @@ class QuantSites:
         self.capture = frozenset(capture)
         self.valid = valid
         self.differentiable = differentiable
+        if kernel_backend not in ("xla", "pallas"):
+            raise ValueError(f"kernel_backend must be 'xla' or 'pallas', got {kernel_backend!r}")
+        if kernel_backend == "pallas" and differentiable:
+            raise ValueError("the Pallas quantize kernel serves the rollout (differentiable=False)")
+        self.kernel_backend = kernel_backend
         self.captured: dict[str, QTensor] = {}
         self.stats: dict[str, dict[str, jax.Array]] = {}
         self.coverage: dict[str, dict[str, jax.Array]] = {}
@@ -143,14 +151,20 @@ class QuantSites:
             }
         rounding = "rtn" if g is None else "guided"
 
+        q = None
         if self.differentiable:
             y = fp4.fake_quant(x, fmt, rounding=rounding, guidance=g)
+        elif self.kernel_backend == "pallas" and fmt.is_fp4 and g is None:
+            from kernels_pallas.fp4_quantize import fp4_quantize
+
+            q = fp4_quantize(x, fmt, backend="pallas").qtensor()
+            y = fp4.dequantize(q, x.dtype)
         else:
             y = fp4.dequantize(fp4.quantize(x, fmt, rounding=rounding, guidance=g), x.dtype)
 
         if key in self.capture or key in self.reference:
-            # Same inputs as the forward value above: XLA computes the quantization once.
-            q = fp4.quantize(jax.lax.stop_gradient(x), fmt, rounding=rounding, guidance=g)
+            if q is None:  # same inputs as the forward value: XLA computes it once
+                q = fp4.quantize(jax.lax.stop_gradient(x), fmt, rounding=rounding, guidance=g)
             if key in self.capture:
                 self.captured[key] = q
             if key in self.reference:

@@ -105,7 +105,15 @@ def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "sampling", "qcfg", "mode", "capture", "capture_mode"),
+    static_argnames=(
+        "graphdef",
+        "sampling",
+        "qcfg",
+        "mode",
+        "capture",
+        "capture_mode",
+        "kernel_backend",
+    ),
 )
 def generate(
     graphdef: nnx.GraphDef,
@@ -119,6 +127,7 @@ def generate(
     mode: SiteMode = SiteMode.RTN,
     capture: tuple[str, ...] = (),
     capture_mode: GuidanceMode = GuidanceMode.COMPACT,
+    kernel_backend: str = "xla",
 ) -> Rollout:
     """Samples `sampling.max_new_tokens` tokens after each right-padded prompt.
 
@@ -130,6 +139,9 @@ def generate(
       qcfg, mode: the FP4 recipe and SiteMode.RTN (FP4 rollout) or SiteMode.OFF (BF16 rollout).
       capture: site keys whose rounding decisions to record (e.g. `qcfg.guided_keys(L)`).
       capture_mode: "compact" or "full" guidance.
+      kernel_backend: "xla", or "pallas" for the Pallas FP4 kernels (fused quantize + capture at
+        the FP4 sites and KV writes, FP4 decode attention over the packed cache); both record
+        identical codes and guidance.
     """
     model: Qwen3MoE = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -142,11 +154,20 @@ def generate(
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
     def new_sites():
-        return QuantSites(qcfg, cfg.n_layers, mode, capture=capture, differentiable=False)
+        return QuantSites(
+            qcfg,
+            cfg.n_layers,
+            mode,
+            capture=capture,
+            differentiable=False,
+            kernel_backend=kernel_backend,
+        )
 
     # Prefill the prompts.
     kv_format = qcfg.kv_format if mode is SiteMode.RTN else None
-    cache = init_cache(cfg, batch=b, max_len=s_total, kv_format=kv_format)
+    cache = init_cache(
+        cfg, batch=b, max_len=s_total, kv_format=kv_format, kernel_backend=kernel_backend
+    )
     sites = new_sites()
     logits, aux, cache = prefill(model, cache, prompts, prompt_lengths, site=sites)
     prompt_slots = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
