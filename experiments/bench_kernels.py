@@ -1,0 +1,380 @@
+r"""FP4 kernels against their bf16 / XLA counterparts, side by side in one run.
+
+Measures (median seconds per call after warm-up, see experiments/timing.py):
+  * ceilings: device copy bandwidth (read + write) and read bandwidth (`jnp.sum` over uint8);
+  * fused quantize + compact capture (Pallas) vs the XLA reference vs a copy of the same input;
+  * FP4 decode attention (Pallas) vs the fastest bf16 variant: XLA einsum-softmax-einsum,
+    `jax.experimental.pallas.ops.gpu.decode_attention.gqa` (k_splits tuned) and our bf16 twin;
+  * FP4 MoE grouped matmul (Pallas) vs bf16 `jax.lax.ragged_dot` at decode and prefill sizes;
+  * one decode step of the `small` preset, bf16 vs FP4 W/A/KV (XLA and Pallas kernel backends),
+    with guidance capture off, compact and full.
+Writes experiments/results/kernels.{md,json} (`--outdir`, `--name`).
+
+  python -m experiments.bench_kernels                 # on the H200 (full sizes)
+  python -m experiments.bench_kernels --quick         # smoke run on a CPU (tiny sizes, interpret)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import results_io
+from experiments.timing import nbytes, time_fn
+from kernels_pallas.fp4_decode_attention import api as attn
+from kernels_pallas.fp4_moe_matmul import api as moe
+from kernels_pallas.fp4_moe_matmul.reference import pack_weights
+from kernels_pallas.fp4_quantize import fp4_quantize
+from trace_jax import fp4
+from trace_jax.models import KVCache, LayerKVCache, ModelConfig, decode_step, init_model
+from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
+from trace_jax.quant import QuantConfig, QuantSites, SiteMode
+
+_QUICK = flags.DEFINE_bool("quick", False, "tiny sizes, CPU smoke run (numbers meaningless)")
+_CONTEXTS = flags.DEFINE_list("contexts", ["4096", "8192", "32768", "65536", "131072"], "")
+_OUTDIR = flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+_NAME = flags.DEFINE_string("name", "kernels", "result file stem")
+
+
+def _key(i):
+    return jax.random.key(i)
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    n = 1 << (20 if quick else 30)  # 1 GiB of bytes on the GPU
+    u8 = jax.random.randint(_key(0), (n,), 0, 255, jnp.int32).astype(jnp.uint8)
+    t_read = time_fn(lambda a: jnp.sum(a, dtype=jnp.int32), u8)
+    x = jax.random.normal(_key(1), (n // 2,), jnp.bfloat16)
+    t_copy = time_fn(lambda a: a + jnp.asarray(1, a.dtype), x)
+    return {"read_bw": n / t_read, "copy_bw": 2 * nbytes(x) / t_copy}
+
+
+def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
+    rows, n = (256, 256) if quick else (65536, 4096)
+    x = jax.random.normal(_key(2), (rows, n), jnp.bfloat16)
+    t_copy = time_fn(lambda a: a + jnp.asarray(1, a.dtype), x)
+    out = []
+    for fmt in (fp4.NVFP4, fp4.MXFP4):
+        ref = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="xla"))(x)
+        got = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="pallas"))(x)
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        moved = nbytes(x) + nbytes(ref)
+        for backend in ("pallas", "xla"):
+            t = time_fn(lambda a, f=fmt, b=backend: fp4_quantize(a, f, backend=b), x)
+            out.append(
+                {
+                    "op": "quantize+capture",
+                    "format": fmt.name,
+                    "backend": backend,
+                    "shape": f"{rows}x{n} bf16",
+                    "ms": 1e3 * t,
+                    "copy_ms": 1e3 * t_copy,
+                    "bandwidth_fraction_of_copy": moved / t / copy_bw,
+                }
+            )
+    return out
+
+
+def _kv(b, s, hkv, dh, seed):
+    k = jax.random.normal(_key(seed), (b, s, hkv, dh), jnp.bfloat16)
+    v = jax.random.normal(_key(seed + 1), (b, s, hkv, dh), jnp.bfloat16)
+    return k, v
+
+
+def _packed(x, fmt):
+    b, s = x.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    return PackedTensorCache.empty(x.shape, fmt).write(x, slots)
+
+
+def _xla_attention(q, k, v, lengths):
+    b, h, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, hkv, h // hkv, dh)
+    s = jnp.einsum("bngd,bsnd->bngs", qg, k, preferred_element_type=jnp.float32) * dh**-0.5
+    mask = jnp.arange(k.shape[1])[None, None, None, :] < lengths[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bngs,bsnd->bngd", p, v).reshape(b, h, dh)
+
+
+def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
+    shapes = [("paper-like", 16, 32, 4, 128), ("small preset", 16, 8, 2, 64)]
+    if quick:
+        shapes, contexts = [("quick", 2, 4, 2, 64)], [256]
+    out = []
+    for label, b, h, hkv, dh in shapes:
+        for ctx in contexts:
+            k, v = _kv(b, ctx, hkv, dh, seed=ctx)
+            q = jax.random.normal(_key(5), (b, h, dh), jnp.bfloat16)
+            lengths = jnp.full((b,), ctx, jnp.int32)
+            fmt = fp4.NVFP4
+            kc, vc = _packed(k, fmt), _packed(v, fmt)
+            ref = attn.fp4_decode_attention(q, kc, vc, lengths, backend="xla")
+            got = attn.fp4_decode_attention(q, kc, vc, lengths, backend="pallas")
+            err = float(
+                jnp.linalg.norm((got - ref).astype(jnp.float32))
+                / jnp.linalg.norm(ref.astype(jnp.float32))
+            )
+            t_fp4 = time_fn(
+                lambda q, kc, vc, n: attn.fp4_decode_attention(q, kc, vc, n, backend="pallas"),
+                q,
+                kc,
+                vc,
+                lengths,
+            )
+            bf16 = {
+                "xla einsum": time_fn(_xla_attention, q, k, v, lengths),
+                "bf16 twin": time_fn(
+                    lambda q, k, v, n: attn.bf16_decode_attention(q, k, v, n, backend="pallas"),
+                    q,
+                    k,
+                    v,
+                    lengths,
+                ),
+            }
+            if not quick:
+                from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
+
+                for ks in (8, 16, 32, 64):
+                    bf16[f"jax gqa k_splits={ks}"] = time_fn(
+                        lambda q, k, v, n, ks=ks: jax_da.gqa(q, k, v, kv_seq_len=n, k_splits=ks),
+                        q,
+                        k,
+                        v,
+                        lengths,
+                    )
+            best = min(bf16, key=bf16.get)
+            fp4_bytes = nbytes(q, kc, vc)
+            out.append(
+                {
+                    "op": "decode attention",
+                    "shape": label,
+                    "context": ctx,
+                    "fp4_ms": 1e3 * t_fp4,
+                    "best_bf16": best,
+                    "best_bf16_ms": 1e3 * bf16[best],
+                    "bf16_ms": {k2: 1e3 * t for k2, t in bf16.items()},
+                    "speedup_vs_best_bf16": bf16[best] / t_fp4,
+                    "fp4_bandwidth_fraction": fp4_bytes / t_fp4 / read_bw,
+                    "bf16_best_bandwidth_fraction": nbytes(q, k, v) / bf16[best] / read_bw,
+                    "fp4_rel_err_vs_reference": err,
+                }
+            )
+            logging.info("%s", out[-1])
+    return out
+
+
+def bench_moe(quick: bool) -> list[dict]:
+    g, d, f, topk = (4, 64, 64, 2) if quick else (128, 2048, 768, 8)
+    counts = {"decode": 16 * topk, "prefill": (64 if quick else 4096) * topk}
+    w = jax.random.normal(_key(7), (g, f, d), jnp.float32) * 0.02  # [G, N, K]: gate/up proj
+    packed = pack_weights(w, fp4.NVFP4)
+    w_bf16 = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [G, K, N] for ragged_dot
+    out = []
+    for label, m in counts.items():
+        x = jax.random.normal(_key(8), (m, d), jnp.bfloat16)
+        sizes = jnp.bincount(jax.random.randint(_key(9), (m,), 0, g), length=g).astype(jnp.int32)
+        xq = fp4.quantize(x, fp4.NVFP4)
+        t_bf16 = time_fn(lambda x, w, s: jax.lax.ragged_dot(x, w, s), x, w_bf16, sizes)
+        t_fp4 = time_fn(
+            lambda a, p, s: moe.fp4_moe_matmul(a, p, s, backend="pallas"), xq, packed, sizes
+        )
+        out.append(
+            {
+                "op": "moe grouped matmul",
+                "phase": label,
+                "M": m,
+                "G": g,
+                "K": d,
+                "N": f,
+                "fp4_ms": 1e3 * t_fp4,
+                "bf16_ragged_dot_ms": 1e3 * t_bf16,
+                "speedup": t_bf16 / t_fp4,
+            }
+        )
+    return out
+
+
+def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed):
+    """A cache holding `ctx` random tokens per sequence (as if prefilled), bf16 or packed FP4."""
+    layers = []
+    for i in range(cfg.n_layers):
+        k, v = _kv(b, ctx + 1, cfg.n_kv_heads, cfg.head_dim, seed=seed + 2 * i)
+        if kv_format is None:
+            layers.append(LayerKVCache(k=k, v=v))
+        else:
+            fmt = fp4.get_format(kv_format)
+            slots = jnp.broadcast_to(jnp.arange(ctx + 1), (b, ctx + 1))
+            layers.append(
+                PackedLayerKVCache(
+                    k=PackedTensorCache.empty(k.shape, fmt, kernel_backend).write(k, slots),
+                    v=PackedTensorCache.empty(v.shape, fmt, kernel_backend).write(v, slots),
+                )
+            )
+    return KVCache(layers=tuple(layers), lengths=jnp.full((b,), ctx, jnp.int32))
+
+
+def bench_decode_step(quick: bool, contexts) -> list[dict]:
+    """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full."""
+    cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
+    b = 2 if quick else 16
+    contexts = [64] if quick else contexts
+    qcfg = QuantConfig.nvfp4()
+    model = init_model(cfg)
+    keys = qcfg.guided_keys(cfg.n_layers)
+    tokens = jnp.ones((b,), jnp.int32)
+    out = []
+    for ctx in contexts:
+
+        def step(cache, tok, mode, capture, kb, full):
+            sites = QuantSites(
+                qcfg,
+                cfg.n_layers,
+                mode,
+                capture=keys if capture else (),
+                differentiable=False,
+                kernel_backend=kb,
+            )
+            logits, _, _ = decode_step(model, cache, tok, site=sites)
+            g = {
+                k: fp4.make_guidance(q, "full" if full else "compact")
+                for k, q in sites.captured.items()
+            }
+            return logits, g
+
+        bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11)
+        t_bf16 = time_fn(
+            lambda c, t: step(c, t, SiteMode.OFF, False, "xla", False), bf16_cache, tokens
+        )
+        row = {
+            "op": "decode step",
+            "preset": "tiny" if quick else "small",
+            "context": ctx,
+            "batch": b,
+            "bf16_ms": 1e3 * t_bf16,
+        }
+        for kb in ("xla", "pallas"):
+            cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11)
+            for label, capture, full in (
+                ("no capture", False, False),
+                ("compact", True, False),
+                ("full", True, True),
+            ):
+                t = time_fn(
+                    lambda c, tk, kb=kb, cap=capture, f=full: step(c, tk, SiteMode.RTN, cap, kb, f),
+                    cache,
+                    tokens,
+                )
+                row[f"fp4_{kb}_{label}_ms"] = 1e3 * t
+            base = row[f"fp4_{kb}_no capture_ms"]
+            row[f"fp4_{kb}_speedup_vs_bf16"] = t_bf16 * 1e3 / base
+            row[f"fp4_{kb}_compact_overhead"] = row[f"fp4_{kb}_compact_ms"] / base - 1
+            row[f"fp4_{kb}_full_overhead"] = row[f"fp4_{kb}_full_ms"] / base - 1
+        out.append(row)
+        logging.info("%s", row)
+    return out
+
+
+def main(argv):
+    del argv
+    quick = _QUICK.value
+    contexts = [int(c) for c in _CONTEXTS.value]
+    ceil = ceilings(quick)
+    logging.info("ceilings %s", ceil)
+    q_rows = bench_quantize(quick, ceil["copy_bw"])
+    a_rows = bench_decode_attention(quick, ceil["read_bw"], contexts)
+    m_rows = bench_moe(quick)
+    s_rows = bench_decode_step(quick, contexts)
+    dev = jax.devices()[0]
+    summary = {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "read_bw_GBps": ceil["read_bw"] / 1e9,
+        "copy_bw_GBps": ceil["copy_bw"] / 1e9,
+        "quantize_bandwidth_fraction": {
+            r["format"]: r["bandwidth_fraction_of_copy"] for r in q_rows if r["backend"] == "pallas"
+        },
+        "decode_attention_bandwidth_fraction": {
+            f"{r['shape']}@{r['context']}": r["fp4_bandwidth_fraction"] for r in a_rows
+        },
+        "speedup_vs_best_bf16_at_32k_plus": {
+            f"{r['shape']}@{r['context']}": r["speedup_vs_best_bf16"]
+            for r in a_rows
+            if r["context"] >= 32768
+        },
+        "decode_step_speedup": {str(r["context"]): r["fp4_pallas_speedup_vs_bf16"] for r in s_rows},
+        "guidance_capture_overhead": {
+            str(r["context"]): {
+                "compact": r["fp4_pallas_compact_overhead"],
+                "full": r["fp4_pallas_full_overhead"],
+            }
+            for r in s_rows
+        },
+    }
+    tables = "\n\n".join(
+        [
+            results_io.markdown_table(
+                q_rows,
+                ["op", "format", "backend", "shape", "ms", "copy_ms", "bandwidth_fraction_of_copy"],
+            ),
+            results_io.markdown_table(
+                a_rows,
+                [
+                    "shape",
+                    "context",
+                    "fp4_ms",
+                    "best_bf16",
+                    "best_bf16_ms",
+                    "speedup_vs_best_bf16",
+                    "fp4_bandwidth_fraction",
+                    "fp4_rel_err_vs_reference",
+                ],
+            ),
+            results_io.markdown_table(
+                m_rows, ["phase", "M", "G", "K", "N", "fp4_ms", "bf16_ragged_dot_ms", "speedup"]
+            ),
+            results_io.markdown_table(
+                s_rows,
+                [
+                    "preset",
+                    "context",
+                    "batch",
+                    "bf16_ms",
+                    "fp4_xla_no capture_ms",
+                    "fp4_pallas_no capture_ms",
+                    "fp4_pallas_compact_ms",
+                    "fp4_pallas_full_ms",
+                    "fp4_pallas_speedup_vs_bf16",
+                    "fp4_pallas_compact_overhead",
+                    "fp4_pallas_full_overhead",
+                ],
+            ),
+        ]
+    )
+    notes = (
+        f"Ceilings measured in this run: read {summary['read_bw_GBps']:.0f} GB/s, copy "
+        f"{summary['copy_bw_GBps']:.0f} GB/s."
+        + (
+            " QUICK smoke run: sizes are tiny and "
+            "Pallas runs in interpret mode; the numbers mean nothing."
+            if quick
+            else ""
+        )
+    )
+    results_io.write_results(
+        _NAME.value,
+        q_rows + a_rows + m_rows + s_rows,
+        title="FP4 kernels",
+        table=tables,
+        notes=notes,
+        outdir=_OUTDIR.value,
+        extra={"summary": summary},
+    )
+    print(tables)
+    print(notes)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,32 @@
+"""Flash-decoding attention over a packed FP4 KV cache (and its bf16 twin): reference, Pallas
+kernel, and an api that picks the backend. See `kernel.py` for the design and byte counts."""
+
+from kernels_pallas.fp4_decode_attention.api import (
+    DEFAULT_BLOCK_S,
+    DecodePlan,
+    bf16_decode_attention,
+    bf16_decode_attention_plan,
+    default_k_splits,
+    fp4_decode_attention,
+    fp4_decode_attention_plan,
+)
+from kernels_pallas.fp4_decode_attention.kernel import BlockConfig
+from kernels_pallas.fp4_decode_attention.reference import (
+    bf16_decode_attention_reference,
+    decode_attention_reference,
+    fp4_decode_attention_reference,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_S",
+    "BlockConfig",
+    "DecodePlan",
+    "bf16_decode_attention",
+    "bf16_decode_attention_plan",
+    "bf16_decode_attention_reference",
+    "decode_attention_reference",
+    "default_k_splits",
+    "fp4_decode_attention",
+    "fp4_decode_attention_plan",
+    "fp4_decode_attention_reference",
+]

@@ -1,0 +1,281 @@
+"""Decode attention over a packed FP4 (or bf16) KV cache: input checks, defaults, backend choice.
+
+`fp4_decode_attention(q, k_cache, v_cache, lengths)` attends one new query token per sequence to
+the slots `< lengths[b]` of a `PackedTensorCache` pair; `bf16_decode_attention` is its twin over a
+bf16 cache. Backends (`kernels_pallas.common.resolve_backend`): "pallas" (the Triton kernel on a
+GPU, interpret mode elsewhere), "xla" (the float32 reference), "auto" (Pallas on a GPU when the
+shapes fit Triton, else XLA). `*_plan(...)` takes the same arguments and returns the `DecodePlan`
+the call runs: which backend, the tiling, and why it fell back, if it did.
+
+Axis legend: B batch, H query heads, Hkv kv heads, G = H // Hkv, S cache slots, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.common import Backend, resolve_backend
+from kernels_pallas.fp4_decode_attention import kernel, reference
+from trace_jax.models.packed_kv_cache import PackedTensorCache
+
+DEFAULT_BLOCK_S = 64
+# Streaming multiprocessors of an H100/H200; the default k_splits aims at two programs per SM.
+NUM_SMS = 132
+TARGET_PROGRAMS = 2 * NUM_SMS
+_Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# The "xla" backend: the references, jitted (eager calls would dispatch every op separately).
+fp4_reference_jit = jax.jit(reference.fp4_decode_attention_reference)
+bf16_reference_jit = jax.jit(reference.bf16_decode_attention_reference)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What one call runs.
+
+    Attributes:
+      backend: Backend.PALLAS or Backend.XLA.
+      interpret: Pallas in interpret mode (off the GPU).
+      config: the kernel's tiling (also filled in for XLA, which ignores it).
+      k_splits: number of splits of the S slots (grid axis 2).
+      fallback: why "auto" chose XLA on a GPU, else None.
+    """
+
+    backend: Backend
+    interpret: bool
+    config: kernel.BlockConfig
+    k_splits: int
+    fallback: str | None = None
+
+
+def default_k_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
+    """Splits so that B * Hkv * k_splits reaches TARGET_PROGRAMS, at most one per block of S."""
+    want = pl.cdiv(TARGET_PROGRAMS, batch * kv_heads)
+    return max(1, min(want, pl.cdiv(slots, block_s)))
+
+
+def _triton_unsupported(head_dim: int, block_size: int | None) -> str | None:
+    """Why the native Triton lowering cannot run these shapes (power-of-two tensors), or None."""
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 32 (Triton tensors)"
+    if block_size is not None and block_size & (block_size - 1):
+        return f"scale block {block_size} is not a power of two (Triton tensors)"
+    return None
+
+
+def _check_q_lengths(q, lengths, batch: int, kv_heads: int, head_dim: int, what: str) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, Dh], got shape {q.shape}")
+    if q.dtype not in _Q_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
+    b, h, dh = q.shape
+    if b != batch:
+        raise ValueError(f"q has batch {b} but the {what} has batch {batch}")
+    if dh != head_dim:
+        raise ValueError(f"q has head_dim {dh} but the {what} has head_dim {head_dim}")
+    if h % kv_heads:
+        raise ValueError(f"q's {h} heads are not a multiple of the {what}'s {kv_heads} kv heads")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be integers, got {lengths.dtype}")
+
+
+def _plan(
+    q,
+    slots: int,
+    kv_heads: int,
+    block_size: int | None,
+    *,
+    backend,
+    k_splits,
+    block_s,
+    interpret,
+) -> DecodePlan:
+    if backend not in set(Backend):
+        raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}")
+    requested = Backend(backend)
+    chosen, interpret = resolve_backend(requested, interpret)
+    fallback = None
+    if chosen is Backend.PALLAS and not interpret:
+        reason = _triton_unsupported(q.shape[-1], block_size)
+        if reason is not None and requested is Backend.PALLAS:
+            raise NotImplementedError(f"the Pallas decode-attention kernel: {reason}")
+        if reason is not None:
+            chosen, fallback = Backend.XLA, reason
+
+    if slots < 1:
+        raise ValueError("the cache has no slots (S = 0)")
+    block_s = DEFAULT_BLOCK_S if block_s is None else block_s
+    if not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
+    n_blocks = pl.cdiv(slots, block_s)
+    if k_splits is None:
+        k_splits = default_k_splits(q.shape[0], kv_heads, slots, block_s)
+    if not isinstance(k_splits, int) or k_splits < 1:
+        raise ValueError(f"k_splits must be a positive int, got {k_splits!r}")
+    chunk = pl.cdiv(n_blocks, min(k_splits, n_blocks)) * block_s
+    config = kernel.BlockConfig(
+        block_s=block_s, chunk=chunk, block_g=kernel.block_g_for(q.shape[1] // kv_heads)
+    )
+    return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
+
+
+def fp4_decode_attention_plan(
+    q: jax.Array,
+    k_cache: PackedTensorCache,
+    v_cache: PackedTensorCache,
+    lengths: jax.Array,
+    *,
+    backend: str | Backend = "auto",
+    k_splits: int | None = None,
+    block_s: int | None = None,
+    interpret: bool | None = None,
+) -> DecodePlan:
+    """Checks the arguments of `fp4_decode_attention` and returns the plan it runs."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, PackedTensorCache):
+            raise ValueError(f"{name} must be a PackedTensorCache, got {type(cache).__name__}")
+        if cache.codes.ndim != 4 or cache.codes.dtype != jnp.uint8:
+            raise ValueError(
+                f"{name}.codes must be uint8 [B, S, Hkv, Dh // 2], got {cache.codes.dtype} "
+                f"{cache.codes.shape}"
+            )
+        fmt = cache.fmt
+        if not fmt.is_fp4:
+            raise ValueError(f"{name} must hold an FP4 format, got {fmt.name}")
+        shape = cache.shape
+        nb_shape = (*shape[:3], shape[3] // fmt.block_size)
+        if shape[3] % fmt.block_size or cache.scales.shape != nb_shape:
+            raise ValueError(
+                f"{name}.scales must be [B, S, Hkv, Dh // {fmt.block_size}] = {nb_shape} "
+                f"for {fmt.name}, got {cache.scales.shape}"
+            )
+        if cache.scales.dtype != fmt.scale_dtype:
+            raise ValueError(
+                f"{name}.scales must be {fmt.scale_dtype} for {fmt.name}, got {cache.scales.dtype}"
+            )
+        if fmt.has_global_scale and (
+            cache.global_scale is None or cache.global_scale.shape != (*shape[:3], 1)
+        ):
+            got = None if cache.global_scale is None else cache.global_scale.shape
+            raise ValueError(f"{name}.global_scale must be [B, S, Hkv, 1], got {got}")
+    if k_cache.fmt != v_cache.fmt or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache ({k_cache.fmt.name} {k_cache.shape}) and v_cache ({v_cache.fmt.name} "
+            f"{v_cache.shape}) must have the same format and shape"
+        )
+    batch, slots, kv_heads, head_dim = k_cache.shape
+    _check_q_lengths(q, lengths, batch, kv_heads, head_dim, "cache")
+    return _plan(
+        q,
+        slots,
+        kv_heads,
+        k_cache.fmt.block_size,
+        backend=backend,
+        k_splits=k_splits,
+        block_s=block_s,
+        interpret=interpret,
+    )
+
+
+def fp4_decode_attention(
+    q: jax.Array,
+    k_cache: PackedTensorCache,
+    v_cache: PackedTensorCache,
+    lengths: jax.Array,
+    *,
+    backend: str | Backend = "auto",
+    k_splits: int | None = None,
+    block_s: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Attention of one new query token per sequence over a packed FP4 KV cache.
+
+    Args:
+      q: [B, H, Dh] bfloat16 or float32; query head h reads kv head h // (H // Hkv).
+      k_cache, v_cache: `PackedTensorCache`s of one format (NVFP4 or MXFP4), [B, S, Hkv, Dh].
+      lengths: int [B]; slots < lengths[b] are attended (at least 1; 0 gives NaN). Values above S
+        count as S.
+      backend: "auto" | "pallas" | "xla" (see the module docstring).
+      k_splits: splits of the S slots (default: `default_k_splits`); the effective number is
+        `fp4_decode_attention_plan(...).k_splits` (no split is left empty).
+      block_s: slots per kernel step, a power of two >= 16 (default DEFAULT_BLOCK_S).
+      interpret: Pallas interpret mode (default: off the GPU).
+
+    Returns:
+      [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.
+    """
+    lengths = jnp.asarray(lengths)
+    plan = fp4_decode_attention_plan(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        backend=backend,
+        k_splits=k_splits,
+        block_s=block_s,
+        interpret=interpret,
+    )
+    if plan.backend is Backend.XLA:
+        return fp4_reference_jit(q, k_cache, v_cache, lengths)
+    return kernel.fp4_decode_attention_pallas(
+        q, k_cache, v_cache, lengths, config=plan.config, interpret=plan.interpret
+    )
+
+
+def bf16_decode_attention_plan(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    backend: str | Backend = "auto",
+    k_splits: int | None = None,
+    block_s: int | None = None,
+    interpret: bool | None = None,
+) -> DecodePlan:
+    """Checks the arguments of `bf16_decode_attention` and returns the plan it runs."""
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 4 or a.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 [B, S, Hkv, Dh], got {a.dtype} {a.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    batch, slots, kv_heads, head_dim = k.shape
+    _check_q_lengths(q, lengths, batch, kv_heads, head_dim, "bf16 cache")
+    return _plan(
+        q,
+        slots,
+        kv_heads,
+        None,
+        backend=backend,
+        k_splits=k_splits,
+        block_s=block_s,
+        interpret=interpret,
+    )
+
+
+def bf16_decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    backend: str | Backend = "auto",
+    k_splits: int | None = None,
+    block_s: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`fp4_decode_attention`'s twin over a bf16 cache k, v [B, S, Hkv, Dh] (same arguments)."""
+    lengths = jnp.asarray(lengths)
+    plan = bf16_decode_attention_plan(
+        q, k, v, lengths, backend=backend, k_splits=k_splits, block_s=block_s, interpret=interpret
+    )
+    if plan.backend is Backend.XLA:
+        return bf16_reference_jit(q, k, v, lengths)
+    return kernel.bf16_decode_attention_pallas(
+        q, k, v, lengths, config=plan.config, interpret=plan.interpret
+    )

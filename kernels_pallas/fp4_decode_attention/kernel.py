@@ -1,0 +1,330 @@
+"""Pallas flash-decoding of one new query token per sequence over a packed FP4 (or bf16) KV cache.
+
+Why: decoding is bound by reading the cache. Per token and kv head, one K (or V) row costs
+  NVFP4: Dh/2 code bytes + Dh/16 E4M3 scale bytes + 4 bytes of float32 global scale (Dh=128: 76 B),
+  MXFP4: Dh/2 + Dh/32 E8M0 scale bytes (Dh=128: 68 B),
+  bf16:  2 * Dh bytes (Dh=128: 256 B),
+so a kernel that reads the packed bytes and decodes them in registers moves 3.4x (NVFP4) to 3.8x
+(MXFP4) fewer bytes than dequantizing the cache to bf16 first. `bf16_decode_attention_pallas` is
+the same kernel over a bf16 cache, the baseline it is measured against.
+
+Structure (split-K flash-decoding). Grid (B, Hkv, k_splits): program (b, h, j) takes the G query
+heads of kv head h together (one K/V read serves all G; the tile is zero-padded to `block_g` rows,
+at least 16 for Triton's dot) and the slots [j * chunk, (j + 1) * chunk) of sequence b. It loops
+over blocks of `block_s` slots with an online softmax (running max m, sum l, accumulator acc, all
+float32), stopping at the first block past `lengths[b]`, and writes its partial (m, l, acc). A
+small jnp step (`combine_partials`) merges the k_splits partials by log-sum-exp. Loads are masked
+at `lengths[b]`: slots at or past it (stale data, or past the end of the cache when S is not a
+multiple of the chunk) are never read, read as zeros, and get probability zero, so no padding copy
+of the cache is made.
+
+FP4 decode in the kernel: packed uint8 codes [block_s, Dh/2] -> (low, high) nibbles (elements 2i,
+2i + 1) -> E2M1 values by `trace_jax.fp4.numerics` (through `kernels_pallas.common`) -> interleaved
+to [block_s, Dh] -> times the block scales, decoded from their uint8 bits and broadcast over their
+block of Dh. `code * block_scale` is exact in bf16 as well as float32 (2 + 4 significant bits), so
+the dot runs in the query's dtype (bf16 tensor cores for a bf16 query; IEEE float32, not TF32,
+for a float32 one) with float32 accumulation. The NVFP4 per-row global scale is applied after the
+dot: to the scores of the K rows, and to the probabilities that weight the V rows (not to the
+softmax sum l).
+
+A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
+(Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the cache would be stored
+slot-major per kv head, e.g. [B, Hkv, S, Dh/2] with several slots folded into the 128 lanes, or
+the nibble split done on [block_s * Dh/2 / 128, 128] tiles); `lengths` as a scalar-prefetch
+argument (SMEM) instead of a 0-d block; BlockSpec-pipelined K/V blocks over an "arbitrary" grid
+axis in place of the in-kernel loop with masked loads (Mosaic has no masked `plgpu.load`), the tail
+handled by a padded S or by clamping the block index; the uint8 -> int32 unpack, shifts and the
+float32 bit-field decode are plain VPU ops; the query tile needs only 8 rows (sublanes), not 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import common
+from trace_jax.fp4 import BlockFormat
+from trace_jax.models.packed_kv_cache import PackedTensorCache
+
+# Smallest query tile: Triton's dot needs M >= 16.
+MIN_BLOCK_G = 16
+# Float32 dots in full precision (Triton: IEEE, where DEFAULT would mean TF32); bf16 dots are
+# unaffected (plain bf16 tensor-core MMA with float32 accumulation).
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """Static tiling of one call.
+
+    Attributes:
+      block_s: slots per step of the in-kernel loop (a power of two, >= 16).
+      chunk: slots per split, a multiple of block_s; k_splits = ceil(S / chunk).
+      block_g: query-tile rows, the G heads of a kv head zero-padded (power of two, >= G).
+      num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+    """
+
+    block_s: int
+    chunk: int
+    block_g: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
+        if self.chunk <= 0 or self.chunk % self.block_s:
+            raise ValueError(
+                f"chunk must be a positive multiple of block_s={self.block_s}, got {self.chunk}"
+            )
+        if self.block_g <= 0 or self.block_g & (self.block_g - 1):
+            raise ValueError(f"block_g must be a power of two, got {self.block_g}")
+
+    def k_splits(self, slots: int) -> int:
+        return pl.cdiv(slots, self.chunk)
+
+
+def block_g_for(group: int) -> int:
+    """Query-tile rows for G query heads per kv head."""
+    return max(MIN_BLOCK_G, pl.next_power_of_2(group))
+
+
+def dot_dtype_for(q_dtype) -> jnp.dtype:
+    """The dot's input dtype: bf16 for a bf16 query (tensor cores), else float32."""
+    return jnp.dtype(jnp.bfloat16) if q_dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel body.
+
+
+def _load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
+    """Rows [start, start + block_s) of a per-(b, h) ref [S, ...]; rows not `valid` are not read
+    and come back as zeros."""
+    rows = pl.ds(start, block_s)
+    zero = jnp.zeros((), ref.dtype)
+    if len(ref.shape) == 1:
+        return plgpu.load(ref.at[rows], mask=valid, other=zero)
+    return plgpu.load(ref.at[rows, :], mask=valid[:, None], other=zero)
+
+
+def decode_fp4_rows(codes: jax.Array, bits: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """float32 `code * block_scale` [rows, Dh] of packed codes [rows, Dh/2] and scale bits
+    [rows, Dh/block] (uint8), inside or outside a kernel."""
+    rows, half = codes.shape
+    lo, hi = common.unpack_nibbles(codes)
+    # [rows, Dh/2, 2] -> [rows, Dh]: element 2i is the low nibble of byte i.
+    values = jnp.stack([common.decode_e2m1(lo), common.decode_e2m1(hi)], axis=-1)
+    values = values.reshape(rows, bits.shape[1], fmt.block_size)
+    # E8M0 bits 0 (2**-127, the empty-cache placeholder) decode to a float32 subnormal that may
+    # be flushed to zero, where `fp4.dequantize` keeps e.g. 6 * 2**-127: a difference < 1e-37.
+    scales = common.decode_scale_bits(bits, fmt)
+    return (values * scales[:, :, None]).reshape(rows, 2 * half)
+
+
+# load_kv(kv_refs, start, valid) -> (k [block_s, Dh], k_row_scale [block_s] | None, v, v_row_scale)
+LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
+
+
+def _flash_decode_kernel(
+    len_ref,
+    q_ref,
+    *refs,
+    load_kv: LoadKV,
+    n_kv_refs: int,
+    block_s: int,
+    chunk: int,
+    sm_scale: float,
+):
+    """One (b, h, split): online softmax over the split's blocks; writes (acc, m, l)."""
+    kv_refs, (acc_ref, m_ref, sum_ref) = refs[:n_kv_refs], refs[n_kv_refs:]
+    length = len_ref[()]
+    chunk_start = pl.program_id(2) * chunk
+    # Blocks holding at least one valid slot; each such block has a finite score.
+    n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
+    q = q_ref[...]  # [block_g, Dh], already in the dot dtype
+    block_g, head_dim = q.shape
+
+    def body(i, carry):
+        m, total, acc = carry  # running max, running sum of exp, accumulator
+        start = chunk_start + i * block_s
+        valid = start + jnp.arange(block_s, dtype=jnp.int32) < length  # [block_s]
+        k, k_scale, v, v_scale = load_kv(kv_refs, start, valid)
+        s = jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            s = s * k_scale[None, :]
+        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        total = alpha * total + p.sum(axis=1)
+        if v_scale is not None:
+            p = p * v_scale[None, :]
+        pv = jnp.dot(p.astype(v.dtype), v, precision=_PRECISION, preferred_element_type=jnp.float32)
+        return m_new, total, alpha[:, None] * acc + pv
+
+    init = (
+        jnp.full((block_g,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_g,), jnp.float32),
+        jnp.zeros((block_g, head_dim), jnp.float32),
+    )
+    m, total, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    sum_ref[...] = total
+
+
+def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
+    def load_one(codes_ref, bits_ref, global_ref, start, valid):
+        codes = _load_rows(codes_ref, start, block_s, valid)
+        bits = _load_rows(bits_ref, start, block_s, valid)
+        values = decode_fp4_rows(codes, bits, fmt).astype(dot_dtype)
+        row_scale = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
+        return values, row_scale
+
+    def load_kv(refs, start, valid):
+        if fmt.has_global_scale:
+            kc, ks, kg, vc, vs, vg = refs
+        else:
+            (kc, ks, vc, vs), kg, vg = refs, None, None
+        return (*load_one(kc, ks, kg, start, valid), *load_one(vc, vs, vg, start, valid))
+
+    return load_kv
+
+
+def _bf16_load_kv(block_s: int, dot_dtype) -> LoadKV:
+    def load_kv(refs, start, valid):
+        k_ref, v_ref = refs
+        k = _load_rows(k_ref, start, block_s, valid).astype(dot_dtype)
+        v = _load_rows(v_ref, start, block_s, valid).astype(dot_dtype)
+        return k, None, v, None
+
+    return load_kv
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call and the split combine.
+
+
+def _flash_decode(
+    q: jax.Array,
+    kv_arrays: Sequence[jax.Array],
+    lengths: jax.Array,
+    load_kv: LoadKV,
+    *,
+    config: BlockConfig,
+    interpret: bool,
+    name: str,
+) -> jax.Array:
+    """q [B, H, Dh]; each kv array [B, S, Hkv, ...] (rows per slot and kv head) -> [B, H, Dh]."""
+    b, h, dh = q.shape
+    s, hkv = kv_arrays[0].shape[1:3]
+    g = h // hkv
+    bg = config.block_g
+    k_splits = config.k_splits(s)
+    dot_dtype = dot_dtype_for(q.dtype)
+
+    qg = q.reshape(b, hkv, g, dh).astype(dot_dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, bg - g), (0, 0)))
+    lengths = jnp.minimum(lengths.astype(jnp.int32), s)
+
+    sq = pl.squeezed
+
+    def kv_spec(a):
+        rest = a.shape[3:]
+        return pl.BlockSpec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *(0 for _ in rest)))
+
+    kernel = functools.partial(
+        _flash_decode_kernel,
+        load_kv=load_kv,
+        n_kv_refs=len(kv_arrays),
+        block_s=config.block_s,
+        chunk=config.chunk,
+        sm_scale=dh**-0.5,
+    )
+    acc, m, total = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, k_splits),
+        in_specs=[
+            pl.BlockSpec((sq,), lambda i, j, t: (i,)),
+            pl.BlockSpec((sq, sq, bg, dh), lambda i, j, t: (i, j, 0, 0)),
+            *(kv_spec(a) for a in kv_arrays),
+        ],
+        out_specs=[
+            pl.BlockSpec((sq, sq, sq, bg, dh), lambda i, j, t: (i, j, t, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0)),
+            pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, k_splits, bg, dh), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32),
+        ],
+        compiler_params=common.triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(lengths, qg, *kv_arrays)
+    out = combine_partials(acc, m, total)  # [B, Hkv, block_g, Dh]
+    return out[:, :, :g].reshape(b, h, dh).astype(q.dtype)
+
+
+def combine_partials(acc: jax.Array, m: jax.Array, total: jax.Array) -> jax.Array:
+    """Merges split partials by log-sum-exp.
+
+    Args:
+      acc: [..., K, G, Dh] sum over the split of exp(s - m) * v.
+      m, total: [..., K, G] the split's max score and sum of exp(s - m).
+
+    A split with no valid slot has m = -inf, total = 0, acc = 0 and weight 0; split 0 always holds
+    slot 0, so the max is finite whenever lengths >= 1. Returns [..., G, Dh] float32.
+    """
+    m_max = m.max(axis=-2, keepdims=True)
+    w = jnp.exp(m - m_max)
+    denom = (w * total).sum(axis=-2)
+    return (w[..., None] * acc).sum(axis=-3) / denom[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fp4_decode_attention_pallas(
+    q: jax.Array,
+    k_cache: PackedTensorCache,
+    v_cache: PackedTensorCache,
+    lengths: jax.Array,
+    *,
+    config: BlockConfig,
+    interpret: bool,
+) -> jax.Array:
+    """Decode attention reading the packed FP4 cache in the kernel (inputs checked by the api)."""
+    fmt = k_cache.fmt
+    arrays = []
+    for cache in (k_cache, v_cache):
+        arrays += [cache.codes, common.scale_bits(cache.scales)]
+        if fmt.has_global_scale:
+            arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, S, Hkv]
+    load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype_for(q.dtype))
+    return _flash_decode(
+        q, arrays, lengths, load_kv, config=config, interpret=interpret, name="fp4_decode_attn"
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def bf16_decode_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    config: BlockConfig,
+    interpret: bool,
+) -> jax.Array:
+    """The same kernel over a bf16 cache k, v [B, S, Hkv, Dh] (inputs checked by the api)."""
+    load_kv = _bf16_load_kv(config.block_s, dot_dtype_for(q.dtype))
+    return _flash_decode(
+        q, [k, v], lengths, load_kv, config=config, interpret=interpret, name="bf16_decode_attn"
+    )

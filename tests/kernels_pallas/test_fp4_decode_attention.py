@@ -1,0 +1,344 @@
+"""Decode attention over a packed FP4 / bf16 KV cache: every backend against the float32 reference.
+
+One test base runs the shared cases through the api with a given backend; each backend is a short
+subclass. Pallas runs in interpret mode off the GPU (natively on one). Tolerances, outputs in
+float32 against the reference:
+  float32 q: rtol 1e-5, atol 2e-6 (float32 dots and exp; observed max |error| < 1e-6);
+  bf16 q:    rtol 1e-2, atol 1e-2 (bf16 probabilities in the P @ V dot, bf16 output: ~2 ulps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import common
+from kernels_pallas.common import Backend
+from kernels_pallas.fp4_decode_attention import (
+    DEFAULT_BLOCK_S,
+    bf16_decode_attention,
+    bf16_decode_attention_plan,
+    bf16_decode_attention_reference,
+    decode_attention_reference,
+    default_k_splits,
+    fp4_decode_attention,
+    fp4_decode_attention_plan,
+    fp4_decode_attention_reference,
+    kernel,
+)
+from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_rows
+from trace_jax import fp4
+from trace_jax.models.packed_kv_cache import PackedTensorCache
+
+TOL_F32 = dict(rtol=1e-5, atol=2e-6)
+TOL_BF16 = dict(rtol=1e-2, atol=1e-2)
+FORMATS = [fp4.NVFP4, fp4.MXFP4]
+# The references, jitted as the api's "xla" backend runs them (one compile per shape).
+_fp4_ref = jax.jit(fp4_decode_attention_reference)
+_bf16_ref = jax.jit(bf16_decode_attention_reference)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A named shape: B, S, Hkv, G, Dh, per-sequence lengths and the kernel's tiling."""
+
+    name: str
+    batch: int
+    slots: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    lengths: tuple[int, ...]
+    block_s: int | None = None
+    k_splits: int | None = None
+
+
+CASES = {
+    c.name: c
+    for c in [
+        # S = 150 is not a multiple of block_s = 32; lengths ragged, one of 1, one past S.
+        Case("ragged_one_split", 3, 150, 2, 2, 64, (150, 1, 77), block_s=32, k_splits=1),
+        Case("ragged_three_splits", 3, 150, 2, 2, 64, (200, 1, 77), block_s=32, k_splits=3),
+        # GQA G = 4, Dh = 32 (one MXFP4 block), default k_splits (one split per block of 16).
+        Case("gqa4_default_splits", 2, 40, 2, 4, 32, (40, 17), block_s=16),
+        # MHA (G = 1), default tiling (block_s 64 > S).
+        Case("mha_defaults", 2, 45, 2, 1, 32, (3, 45)),
+    ]
+}
+
+
+def _inputs(case: Case, q_dtype, seed: int = 0):
+    """q [B, H, Dh], k, v [B, S, Hkv, Dh] float32 normal draws (never zero), lengths int32 [B]."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    b, s, hkv, dh = case.batch, case.slots, case.kv_heads, case.head_dim
+    q = (1.5 * jax.random.normal(kq, (b, hkv * case.group, dh))).astype(q_dtype)
+    k = jax.random.normal(kk, (b, s, hkv, dh), jnp.float32)
+    v = jax.random.normal(kv, (b, s, hkv, dh), jnp.float32)
+    return q, k, v, jnp.asarray(case.lengths, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _packed(x: jax.Array, fmt) -> PackedTensorCache:
+    """x [B, S, Hkv, Dh] written to every slot of a packed cache (jitted: one compile per shape)."""
+    b, s = x.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    return PackedTensorCache.empty(x.shape, fmt).write(x, slots)
+
+
+def _stale_nan(cache: PackedTensorCache, lengths: jax.Array) -> PackedTensorCache:
+    """The cache with NaN scales (and global scales) at every slot >= lengths[b]."""
+    stale = jnp.arange(cache.shape[1])[None, :] >= lengths[:, None]  # [B, S]
+    nan_bits = 0xFF if cache.fmt.scale is fp4.ScaleType.E8M0 else 0x7F
+    bits = jnp.where(stale[:, :, None, None], nan_bits, common.scale_bits(cache.scales))
+    scales = jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), cache.fmt.scale_dtype)
+    g = cache.global_scale
+    if g is not None:
+        g = jnp.where(stale[:, :, None, None], jnp.nan, g)
+    return dataclasses.replace(cache, scales=scales, global_scale=g)
+
+
+def _close(out, ref, q_dtype):
+    assert out.dtype == q_dtype
+    tol = TOL_F32 if q_dtype == jnp.float32 else TOL_BF16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+
+
+class DecodeAttentionTestBase:
+    """Shared cases; subclasses set `backend`."""
+
+    backend: str
+
+    def fp4_op(self, q, k_cache, v_cache, lengths, case: Case):
+        return fp4_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            backend=self.backend,
+            k_splits=case.k_splits,
+            block_s=case.block_s,
+        )
+
+    def bf16_op(self, q, k, v, lengths, case: Case):
+        return bf16_decode_attention(
+            q, k, v, lengths, backend=self.backend, k_splits=case.k_splits, block_s=case.block_s
+        )
+
+    @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+    @pytest.mark.parametrize("case", list(CASES.values()), ids=lambda c: c.name)
+    def test_fp4_matches_reference(self, case, fmt):
+        q, k, v, lengths = _inputs(case, jnp.float32)
+        kc, vc = _packed(k, fmt), _packed(v, fmt)
+        out = self.fp4_op(q, kc, vc, lengths, case)
+        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.float32)
+
+    @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+    def test_fp4_bf16_query(self, fmt):
+        case = CASES["ragged_three_splits"]
+        q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=1)
+        kc, vc = _packed(k, fmt), _packed(v, fmt)
+        out = self.fp4_op(q, kc, vc, lengths, case)
+        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.bfloat16)
+
+    @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+    def test_fp4_stale_slots_are_never_read(self, fmt):
+        """NaN scales past lengths[b] (stale or never-written slots) do not reach the output."""
+        case = CASES["ragged_three_splits"]
+        q, k, v, lengths = _inputs(case, jnp.float32, seed=2)
+        kc, vc = _packed(k, fmt), _packed(v, fmt)
+        out = self.fp4_op(q, _stale_nan(kc, lengths), _stale_nan(vc, lengths), lengths, case)
+        assert np.isfinite(np.asarray(out)).all()
+        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.float32)
+
+    def test_zero_length_gives_nan(self):
+        """A sequence with no valid slot is NaN (never a silent zero); the others are unaffected."""
+        case = CASES["ragged_three_splits"]
+        q, k, v, _ = _inputs(case, jnp.float32, seed=7)
+        kc, vc = _packed(k, fp4.MXFP4), _packed(v, fp4.MXFP4)
+        lengths = jnp.asarray([0, 1, 77], jnp.int32)
+        out = self.fp4_op(q, kc, vc, lengths, case)
+        assert np.isnan(np.asarray(out[0])).all()
+        _close(out[1:], _fp4_ref(q, kc, vc, lengths)[1:], jnp.float32)
+
+    @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32_q", "bf16_q"])
+    def test_bf16_cache_matches_reference(self, q_dtype):
+        """The bf16 twin, with NaN in every stale slot of K and V."""
+        case = CASES["ragged_three_splits"]
+        q, k, v, lengths = _inputs(case, q_dtype, seed=3)
+        stale = jnp.arange(case.slots)[None, :, None, None] >= lengths[:, None, None, None]
+        k, v = (jnp.where(stale, jnp.nan, x).astype(jnp.bfloat16) for x in (k, v))
+        out = self.bf16_op(q, k, v, lengths, case)
+        _close(out, _bf16_ref(q, k, v, lengths), q_dtype)
+
+
+class TestPallas(DecodeAttentionTestBase):
+    backend = "pallas"
+
+
+class TestXla(DecodeAttentionTestBase):
+    backend = "xla"
+
+
+# -------------------------------------------------------------------------------------------------
+# The reference, the in-kernel decode and the dispatcher.
+
+
+def test_reference_matches_per_head_loop():
+    """GQA mapping (head h reads kv head h // G), scale Dh**-0.5 and the length mask, in float64."""
+    case = CASES["gqa4_default_splits"]
+    q, k, v, lengths = _inputs(case, jnp.float32, seed=4)
+    out = np.asarray(decode_attention_reference(q, k, v, lengths), np.float64)
+    qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
+    for b in range(case.batch):
+        n = int(lengths[b])
+        for h in range(case.kv_heads * case.group):
+            kh = h // case.group
+            scores = kn[b, :n, kh] @ qn[b, h] / np.sqrt(case.head_dim)
+            p = np.exp(scores - scores.max())
+            expected = (p / p.sum()) @ vn[b, :n, kh]
+            np.testing.assert_allclose(out[b, h], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernel_decode_equals_cache_read(fmt):
+    """The kernel's nibble split, E2M1 decode and scale expansion give the quantizer's values."""
+    x = 2.0 * jax.random.normal(jax.random.key(5), (2, 8, 2, 64))
+    cache = _packed(x, fmt)
+    codes = cache.codes.reshape(-1, 32)
+    bits = common.scale_bits(cache.scales).reshape(-1, 64 // fmt.block_size)
+    values = jax.jit(decode_fp4_rows, static_argnums=2)(codes, bits, fmt).reshape(x.shape)
+    if cache.global_scale is not None:
+        values = values * cache.global_scale
+    expected = jax.jit(PackedTensorCache.read, static_argnums=1)(cache, jnp.float32)
+    np.testing.assert_allclose(np.asarray(values), np.asarray(expected), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_xla_backend_is_the_reference_exactly(fmt):
+    case = CASES["ragged_three_splits"]
+    q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=6)
+    kc, vc = _packed(k, fmt), _packed(v, fmt)
+    out = fp4_decode_attention(q, kc, vc, lengths, backend="xla")
+    np.testing.assert_array_equal(out, _fp4_ref(q, kc, vc, lengths))
+    kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    out = bf16_decode_attention(q, kb, vb, lengths, backend="xla")
+    np.testing.assert_array_equal(out, _bf16_ref(q, kb, vb, lengths))
+    # Also equal to the eager reference to float32 rounding (XLA may fuse differently under jit).
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32),
+        np.asarray(bf16_decode_attention_reference(q, kb, vb, lengths), np.float32),
+        rtol=1e-2,
+    )
+
+
+def test_plan_defaults_and_backend_choice(monkeypatch):
+    case = CASES["ragged_three_splits"]
+    q, k, v, lengths = _inputs(case, jnp.bfloat16)
+    kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
+
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: auto runs the reference
+    assert plan.backend is Backend.XLA and plan.fallback is None
+    assert plan.config.block_s == DEFAULT_BLOCK_S and plan.config.block_g == 16
+    # 264 target programs over B * Hkv = 6, capped at the 3 blocks of 64 in S = 150.
+    assert default_k_splits(3, 2, 150, 64) == plan.k_splits == 3
+    assert default_k_splits(8, 8, 32768, 64) == 5  # long context: ~2 programs per SM
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=4, block_s=16)
+    assert (plan.backend, plan.interpret) == (Backend.PALLAS, True)
+    # 10 blocks of 16 in 4 splits: chunks of 48 slots, and no empty split.
+    assert (plan.config.chunk, plan.k_splits) == (48, 4)
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=50, block_s=64)
+    assert (plan.config.chunk, plan.k_splits) == (64, 3)
+
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths)
+    assert (plan.backend, plan.interpret) == (Backend.PALLAS, False)
+    # Dh = 48 is not a power of two: no Triton kernel; "auto" falls back, "pallas" refuses.
+    q48, k48 = q[..., :48], k[..., :48]
+    kc48 = _packed(k48, fp4.NVFP4)
+    plan = fp4_decode_attention_plan(q48, kc48, kc48, lengths)
+    assert plan.backend is Backend.XLA and "head_dim 48" in plan.fallback
+    with pytest.raises(NotImplementedError, match="head_dim 48"):
+        fp4_decode_attention_plan(q48, kc48, kc48, lengths, backend="pallas")
+    plan = bf16_decode_attention_plan(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
+    assert plan.backend is Backend.PALLAS
+
+
+@functools.cache
+def _error_inputs():
+    case = Case("err", 2, 20, 2, 2, 32, (20, 5))
+    q, k, v, lengths = _inputs(case, jnp.float32)
+    return q, _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4), lengths
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda q, kc, vc, n: (q[0], kc, vc, n), r"q must be \[B, H, Dh\]"),
+        (lambda q, kc, vc, n: (q.astype(jnp.float16), kc, vc, n), "bfloat16 or float32"),
+        (lambda q, kc, vc, n: (q[:, :3], kc, vc, n), "not a multiple of the cache's 2 kv heads"),
+        (lambda q, kc, vc, n: (q[..., :16], kc, vc, n), "head_dim 16 but the cache has .* 32"),
+        (lambda q, kc, vc, n: (q[:1], kc, vc, n), "batch 1 but the cache has batch 2"),
+        (lambda q, kc, vc, n: (q, kc, vc, n[:, None]), r"lengths must have shape \(2,\)"),
+        (lambda q, kc, vc, n: (q, kc, vc, n.astype(jnp.float32)), "lengths must be integers"),
+        (lambda q, kc, vc, n: (q, kc, kc.read(jnp.float32), n), "v_cache must be a Packed"),
+        (
+            lambda q, kc, vc, n: (q, kc, _packed(kc.read(jnp.float32), fp4.MXFP4), n),
+            "same format and shape",
+        ),
+    ],
+)
+def test_bad_inputs_raise(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        fp4_decode_attention(*mutate(*_error_inputs()), backend="xla")
+
+
+def test_bad_options_and_bf16_inputs_raise():
+    q, kc, vc, lengths = _error_inputs()
+    with pytest.raises(ValueError, match="block_s must be a power of two"):
+        fp4_decode_attention(q, kc, vc, lengths, backend="pallas", block_s=24)
+    with pytest.raises(ValueError, match="k_splits must be a positive int"):
+        fp4_decode_attention(q, kc, vc, lengths, backend="pallas", k_splits=0)
+    with pytest.raises(ValueError, match="backend"):
+        fp4_decode_attention(q, kc, vc, lengths, backend="cuda")
+    k = kc.read(jnp.bfloat16)
+    with pytest.raises(ValueError, match="k must be bfloat16"):
+        bf16_decode_attention(q, k.astype(jnp.float32), k, lengths)
+    with pytest.raises(ValueError, match=r"k .* and v .* must have the same shape"):
+        bf16_decode_attention(q, k, k[:, :10], lengths)
+    with pytest.raises(ValueError, match="not a multiple of the bf16 cache's 2 kv heads"):
+        bf16_decode_attention(q[:, :3], k, k, lengths)
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
+def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt):
+    """The kernel body lowers to Triton IR (power-of-two tensors, supported primitives) for an
+    H200 with a serving shape (S not a multiple of the chunk); PTX compilation needs a GPU."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+        from jax.experimental.pallas import triton as plgpu
+
+        h200 = plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H200)
+        monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"private Pallas Triton hooks moved: {e}")
+    b, s, hkv, g, dh = 2, 1000, 8, 4, 128
+    q = jax.ShapeDtypeStruct((b, hkv * g, dh), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    config = kernel.BlockConfig(block_s=DEFAULT_BLOCK_S, chunk=128, block_g=16)
+    if fmt is None:
+        cache = jax.ShapeDtypeStruct((b, s, hkv, dh), jnp.bfloat16)
+        op = kernel.bf16_decode_attention_pallas
+    else:
+        cache = jax.eval_shape(lambda: PackedTensorCache.empty((b, s, hkv, dh), fmt))
+        op = kernel.fp4_decode_attention_pallas
+    op = functools.partial(op, config=config, interpret=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
+        lowered = jax.jit(op).trace(q, cache, cache, lengths).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
