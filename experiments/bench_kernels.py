@@ -32,11 +32,6 @@ from trace_jax.models import KVCache, LayerKVCache, ModelConfig, decode_step, in
 from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 
-_QUICK = flags.DEFINE_bool("quick", False, "tiny sizes, CPU smoke run (numbers meaningless)")
-_CONTEXTS = flags.DEFINE_list("contexts", ["4096", "8192", "32768", "65536", "131072"], "")
-_OUTDIR = flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
-_NAME = flags.DEFINE_string("name", "kernels", "result file stem")
-
 
 def _key(i):
     return jax.random.key(i)
@@ -278,10 +273,23 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
     return out
 
 
-def main(argv):
-    del argv
-    quick = _QUICK.value
-    contexts = [int(c) for c in _CONTEXTS.value]
+def define_flags() -> None:
+    """Command-line flags (defined only when run as a script)."""
+    flags.DEFINE_bool("quick", False, "tiny sizes, CPU smoke run (numbers meaningless)")
+    flags.DEFINE_list("contexts", ["4096", "8192", "32768", "65536", "131072"], "")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "kernels", "result file stem")
+
+
+def run(
+    *,
+    quick: bool = False,
+    contexts: list[str] = ("4096", "8192", "32768", "65536", "131072"),
+    outdir: str = results_io.RESULTS_DIR,
+    name: str = "kernels",
+) -> dict:
+    """Runs every benchmark and writes the results; returns the summary."""
+    contexts = [int(c) for c in contexts]
     ceil = ceilings(quick)
     logging.info("ceilings %s", ceil)
     q_rows = bench_quantize(quick, ceil["copy_bw"])
@@ -364,17 +372,25 @@ def main(argv):
         )
     )
     results_io.write_results(
-        _NAME.value,
+        name,
         q_rows + a_rows + m_rows + s_rows,
         title="FP4 kernels",
         table=tables,
         notes=notes,
-        outdir=_OUTDIR.value,
+        outdir=outdir,
         extra={"summary": summary},
     )
     print(tables)
     print(notes)
+    return summary
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(quick=f.quick, contexts=f.contexts, outdir=f.outdir, name=f.name)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

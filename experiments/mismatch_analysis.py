@@ -27,13 +27,6 @@ from trace_jax import fp4
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-_EPS = flags.DEFINE_list("eps", ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1"], "eps")
-_FORMATS = flags.DEFINE_list("formats", ["nvfp4", "mxfp4", "mxfp8"], "formats to sweep")
-_ROWS = flags.DEFINE_integer("rows", 2048, "tokens per tensor")
-_COLS = flags.DEFINE_integer("cols", 1024, "channels per token (multiple of 32)")
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
-_OUTDIR = flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
-
 
 def activation_like(key: jax.Array, rows: int, cols: int) -> jax.Array:
     """float32 [rows, cols]: normal values times log-normal channel scales, 1% outlier channels."""
@@ -111,15 +104,33 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv):
-    del argv
-    eps_values = [float(e) for e in _EPS.value]
-    formats = [fp4.get_format(f) for f in _FORMATS.value]
-    if _COLS.value % 32:
-        raise app.UsageError(f"--cols must be a multiple of 32, got {_COLS.value}")
-    key = jax.random.key(_SEED.value)
+def define_flags() -> None:
+    """Command-line flags (defined only when run as a script)."""
+    flags.DEFINE_list("eps", ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1"], "eps")
+    flags.DEFINE_list("formats", ["nvfp4", "mxfp4", "mxfp8"], "formats to sweep")
+    flags.DEFINE_integer("rows", 2048, "tokens per tensor")
+    flags.DEFINE_integer("cols", 1024, "channels per token (multiple of 32)")
+    flags.DEFINE_integer("seed", 0, "PRNG seed")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+
+
+def run(
+    *,
+    eps: list[str],
+    formats: list[str],
+    rows: int,
+    cols: int,
+    seed: int,
+    outdir: str = results_io.RESULTS_DIR,
+) -> list[dict]:
+    """Runs the sweep and writes the results; returns the rows."""
+    eps_values = [float(e) for e in eps]
+    formats = [fp4.get_format(f) for f in formats]
+    if cols % 32:
+        raise app.UsageError(f"--cols must be a multiple of 32, got {cols}")
+    key = jax.random.key(seed)
     k_x, k_n = jax.random.split(key)
-    x_train = activation_like(k_x, _ROWS.value, _COLS.value)
+    x_train = activation_like(k_x, rows, cols)
     noise = jax.random.normal(k_n, x_train.shape)
 
     rows = []
@@ -155,7 +166,7 @@ def main(argv):
     ]
     table = results_io.markdown_table(rows, cols)
     notes = (
-        f"{_ROWS.value} x {_COLS.value} activation-like float32 tensor (normal values, log-normal "
+        f"{rows} x {cols} activation-like float32 tensor (normal values, log-normal "
         "channel scales, 1% outlier channels x20); `x_rollout = x_train * (1 + eps * N(0, 1))`. "
         "RTN: each side rounds to nearest with its own scales. Guided: the trainer uses the "
         "rollout's scales and its full codes or compact mantissa bits. `one_apart_fraction`: of "
@@ -173,12 +184,20 @@ def main(argv):
         title="Mismatch analysis: FP4 codes, train vs rollout",
         table=table,
         notes=notes + "\n\n![mismatch](mismatch_analysis.png)",
-        outdir=_OUTDIR.value,
+        outdir=outdir,
     )
-    plot(rows, os.path.join(_OUTDIR.value, "mismatch_analysis.png"))
+    plot(rows, os.path.join(outdir, "mismatch_analysis.png"))
     print(table)
     print(f"\nwrote {paths['md']}, {paths['json']} and mismatch_analysis.png")
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(eps=f.eps, formats=f.formats, rows=f.rows, cols=f.cols, seed=f.seed, outdir=f.outdir)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -32,24 +32,6 @@ from trace_jax.train import train_forward
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-_PRESET = flags.DEFINE_enum("preset", "tiny", ["tiny", "small"], "model preset")
-_FORMATS = flags.DEFINE_enum(
-    "formats", "nvfp4", ["nvfp4", "mxfp4_w4a4", "mxfp4_w4a8"], "FP4 recipe (W/A/KV)"
-)
-_LAYERS = flags.DEFINE_string(
-    "guidance_layers", "half", "guided layers: half | quarter | eighth | all | comma list"
-)
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
-_BATCH = flags.DEFINE_integer("batch", 8, "sequences")
-_PROMPT = flags.DEFINE_integer("prompt_len", 16, "max prompt length (lengths vary per row)")
-_MAX_NEW = flags.DEFINE_integer("max_new", 48, "new tokens per sequence")
-_TEMP = flags.DEFINE_float("temperature", 1.0, "sampling temperature")
-_INIT_STD = flags.DEFINE_float(
-    "init_std", 0.08, "initializer std of the random policy (larger: peakier distributions)"
-)
-_OUTDIR = flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
-_NAME = flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
-
 
 def guided_layers(spec: str, n_layers: int) -> tuple[int, ...]:
     """Layers from a flag value: half / quarter / eighth (the deepest fraction), all, or a list."""
@@ -94,21 +76,55 @@ def router_agreement(train_experts, roll_experts, processed) -> float:
     return float(same[m].mean())
 
 
-def main(argv):
-    del argv
-    cfg = ModelConfig.tiny() if _PRESET.value == "tiny" else ModelConfig.small()
-    cfg = cfg.__class__(**{**cfg.__dict__, "init_std": _INIT_STD.value})
-    layers = guided_layers(_LAYERS.value, cfg.n_layers)
-    qcfg = recipe(_FORMATS.value, layers)
-    key = jax.random.key(_SEED.value)
+def define_flags() -> None:
+    """Command-line flags (defined only when run as a script)."""
+    flags.DEFINE_enum("preset", "tiny", ["tiny", "small"], "model preset")
+    flags.DEFINE_enum(
+        "formats", "nvfp4", ["nvfp4", "mxfp4_w4a4", "mxfp4_w4a8"], "FP4 recipe (W/A/KV)"
+    )
+    flags.DEFINE_string(
+        "guidance_layers", "half", "guided layers: half | quarter | eighth | all | comma list"
+    )
+    flags.DEFINE_integer("seed", 0, "PRNG seed")
+    flags.DEFINE_integer("batch", 8, "sequences")
+    flags.DEFINE_integer("prompt_len", 16, "max prompt length (lengths vary per row)")
+    flags.DEFINE_integer("max_new", 48, "new tokens per sequence")
+    flags.DEFINE_float("temperature", 1.0, "sampling temperature")
+    flags.DEFINE_float(
+        "init_std", 0.08, "initializer std of the random policy (larger: peakier distributions)"
+    )
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
+
+
+def run(
+    *,
+    preset: str = "tiny",
+    formats: str = "nvfp4",
+    guidance_layers: str = "half",
+    seed: int = 0,
+    batch: int = 8,
+    prompt_len: int = 16,
+    max_new: int = 48,
+    temperature: float = 1.0,
+    init_std: float = 0.08,
+    outdir: str = results_io.RESULTS_DIR,
+    name: str = "train_rollout_gap",
+) -> list[dict]:
+    """Measures the gap in every mode and writes the results; returns the rows."""
+    cfg = ModelConfig.tiny() if preset == "tiny" else ModelConfig.small()
+    cfg = cfg.__class__(**{**cfg.__dict__, "init_std": init_std})
+    layers = guided_layers(guidance_layers, cfg.n_layers)
+    qcfg = recipe(formats, layers)
+    key = jax.random.key(seed)
     k_prompt, k_len, k_sample = jax.random.split(key, 3)
-    model = init_model(cfg, seed=_SEED.value)
+    model = init_model(cfg, seed=seed)
     graphdef, params = nnx.split(model)
 
-    b, p = _BATCH.value, _PROMPT.value
+    b, p = batch, prompt_len
     prompts = jax.random.randint(k_prompt, (b, p), 1, cfg.vocab_size, jnp.int32)
     prompt_lengths = jax.random.randint(k_len, (b,), max(1, p // 2), p + 1, jnp.int32)
-    sampling = SamplingConfig(max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value)
+    sampling = SamplingConfig(max_new_tokens=max_new, temperature=temperature)
     all_keys = qcfg.all_keys(cfg.n_layers)
     guided_keys = qcfg.guided_keys(cfg.n_layers)
 
@@ -124,7 +140,7 @@ def main(argv):
         mode=SiteMode.OFF,
     )
     fwd = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay", "temperature"))
-    off = fwd(model, roll_bf16, qcfg=qcfg, mode=SiteMode.OFF, temperature=_TEMP.value)
+    off = fwd(model, roll_bf16, qcfg=qcfg, mode=SiteMode.OFF, temperature=temperature)
     rows = [
         {
             "mode": "off (bf16 pair)",
@@ -177,7 +193,7 @@ def main(argv):
                 replay=replay,
                 guidance=guidance,
                 reference=reference,
-                temperature=_TEMP.value,
+                temperature=temperature,
             )
             guided_stats = [out.stats[k] for k in guided_keys]
             n_el = sum(int(s["n_elements"]) for s in guided_stats)
@@ -229,29 +245,28 @@ def main(argv):
                         }
                     )
     notes = (
-        f"Preset `{_PRESET.value}` (random init, std {_INIT_STD.value}), recipe "
-        f"`{_FORMATS.value}`, guided layers {list(layers)} of {cfg.n_layers}, batch {b}, prompts "
-        f"of {p // 2}-{p} random tokens, {_MAX_NEW.value} new tokens at temperature "
-        f"{_TEMP.value}. `code_mismatch`: fraction of the trainer's codes at the guided sites "
+        f"Preset `{preset}` (random init, std {init_std}), recipe "
+        f"`{formats}`, guided layers {list(layers)} of {cfg.n_layers}, batch {b}, prompts "
+        f"of {p // 2}-{p} random tokens, {max_new} new tokens at temperature "
+        f"{temperature}. `code_mismatch`: fraction of the trainer's codes at the guided sites "
         "that differ from the rollout's (expert_mid compared on slots whose expert both sides "
         "used); `one_apart_fraction`: of those mismatches, the share one adjacent code apart. "
         "`kl`: KL(rollout || train) per response token, k3 estimator on the sampled tokens. "
         "`guidance_bytes_per_token`: guidance held per token slot for the guided sites."
     )
     paths = results_io.write_results(
-        _NAME.value,
+        name,
         rows,
         title="Train-rollout gap: FP4 rollout vs training forward",
         table=table,
-        notes=notes + f"\n\n![per-layer mismatch]({_NAME.value}.png)",
-        outdir=_OUTDIR.value,
+        notes=notes + f"\n\n![per-layer mismatch]({name}.png)",
+        outdir=outdir,
         extra={"per_site": site_rows},
     )
-    plot_per_layer(
-        site_rows, cfg.n_layers, layers, os.path.join(_OUTDIR.value, f"{_NAME.value}.png")
-    )
+    plot_per_layer(site_rows, cfg.n_layers, layers, os.path.join(outdir, f"{name}.png"))
     print(table)
     print(f"\nwrote {paths['md']} and {paths['json']}")
+    return rows
 
 
 def plot_per_layer(site_rows, n_layers, layers, path):
@@ -278,5 +293,24 @@ def plot_per_layer(site_rows, n_layers, layers, path):
     plt.close(fig)
 
 
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(
+        preset=f.preset,
+        formats=f.formats,
+        guidance_layers=f.guidance_layers,
+        seed=f.seed,
+        batch=f.batch,
+        prompt_len=f.prompt_len,
+        max_new=f.max_new,
+        temperature=f.temperature,
+        init_std=f.init_std,
+        outdir=f.outdir,
+        name=f.name,
+    )
+
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

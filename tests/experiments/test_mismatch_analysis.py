@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-
-from absl.testing import flagsaver
 
 from experiments import mismatch_analysis
 
 
-def test_mismatch_analysis_writes_results(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["mismatch_analysis"])
-    from absl import flags
-
-    flags.FLAGS(["mismatch_analysis"], known_only=True)
-    with flagsaver.flagsaver(
-        eps=["1e-3", "1e-1"], formats=["nvfp4", "mxfp4"], rows=256, cols=128, outdir=str(tmp_path)
-    ):
-        mismatch_analysis.main([])
+def test_mismatch_analysis_writes_results(tmp_path):
+    mismatch_analysis.run(
+        eps=["1e-3", "1e-1"],
+        formats=["nvfp4", "mxfp4"],
+        rows=256,
+        cols=128,
+        seed=0,
+        outdir=str(tmp_path),
+    )
     for ext in ("md", "json", "png"):
         assert os.path.getsize(tmp_path / f"mismatch_analysis.{ext}") > 0
     rows = json.loads((tmp_path / "mismatch_analysis.json").read_text())["rows"]

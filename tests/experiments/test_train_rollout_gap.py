@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 
-from absl import flags
-from absl.testing import flagsaver
-
 from experiments import train_rollout_gap
 
 
 def test_train_rollout_gap_smoke(tmp_path):
-    flags.FLAGS(["train_rollout_gap"], known_only=True)
-    with flagsaver.flagsaver(batch=2, prompt_len=4, max_new=4, outdir=str(tmp_path), name="gap"):
-        train_rollout_gap.main([])
+    train_rollout_gap.run(batch=2, prompt_len=4, max_new=4, outdir=str(tmp_path), name="gap")
     data = json.loads((tmp_path / "gap.json").read_text())
     rows = data["rows"]
     assert [r["mode"] for r in rows] == ["off (bf16 pair)"] + [

@@ -81,6 +81,8 @@ _floats = st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32)
 )
 def test_guided_properties_hypothesis(name, x, noise, eps):
     x_rollout = (x * (1 + eps * noise)).astype(np.float32)
+    # XLA flushes float32 subnormals to zero (documented); the float64 reference does not.
+    x_rollout[np.abs(x_rollout) < np.finfo(np.float32).tiny] = 0.0
     _check_guided_properties(x, x_rollout, name)
 
 

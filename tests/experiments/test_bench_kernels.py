@@ -1,0 +1,22 @@
+"""The kernel benchmark runs end to end in its CPU smoke mode (numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import bench_kernels
+
+
+def test_bench_kernels_quick(tmp_path):
+    summary = bench_kernels.run(quick=True, outdir=str(tmp_path), name="k")
+    data = json.loads((tmp_path / "k.json").read_text())
+    for key in (
+        "quantize_bandwidth_fraction",
+        "decode_attention_bandwidth_fraction",
+        "speedup_vs_best_bf16_at_32k_plus",
+        "decode_step_speedup",
+        "guidance_capture_overhead",
+        "device",
+    ):
+        assert key in data["summary"] and key in summary
+    assert set(summary["quantize_bandwidth_fraction"]) == {"nvfp4", "mxfp4"}
