@@ -1,0 +1,186 @@
+"""`GRPOConfig`: the RL update's hyper-parameters (SPEC 6), and the optimizer they define."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+from trace_jax.rl.advantages import ADVANTAGES
+from trace_jax.rl.losses import AGGREGATIONS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """GRPO with truncated importance sampling, routing replay and bounded staleness.
+
+    Fields and the symbols they stand for (see `trace_jax.rl.losses` for the objectives):
+
+      group_size: G, samples per prompt (the paper: 8-16).
+      advantage: the estimator in `ADVANTAGES`: "grpo" A = (r - mean_G r) / (std_G r + eps_adv)
+        or "dr_grpo" A = r - mean_G r.
+      adv_eps: eps_adv.
+      clip_eps_low, clip_eps_high: eps_low, eps_high; the ratio r = pi_theta / pi_old is clipped
+        to [1 - eps_low, 1 + eps_high] (eps_high > eps_low is DAPO's "clip higher").
+      is_cap: C, the token-level importance weight pi_old / pi_roll is truncated at C (the
+        paper: 5); None turns the correction off.
+      beta: beta, the weight of the k3 KL(pi_theta || pi_ref) penalty (0: no reference model).
+      dual_clip: c, PPO-clip only: negative-advantage tokens lose at most -c A (None: off).
+      tbpo_dual_clip: c of TBPO's two-sided clipping of negative-advantage sequences.
+      tbpo_band: (b_lo, b_hi), TBPO drops sequences whose ratio s_i leaves this trust band.
+      loss_aggregation: "token_mean" (over all response tokens of the mini-batch) or "seq_mean"
+        (over sequences of their token means).
+      learning_rate: eta, the peak learning rate of AdamW.
+      warmup_steps: linear warmup from 0 to eta (optimizer steps).
+      min_lr_ratio: the cosine decay ends at min_lr_ratio * eta.
+      weight_decay: lambda, AdamW's decoupled weight decay (on matrices only, ndim >= 2).
+      adam_b1, adam_b2, adam_eps: beta_1, beta_2, epsilon of Adam.
+      grad_clip_norm: the global gradient norm is clipped to this (None: no clipping).
+      mini_batches: M, optimizer steps per rollout batch (the batch is split M ways).
+      max_staleness: the most policy versions between the policy that sampled a sequence and
+        the one that is trained on it (the paper: 3); the m-th mini-batch of a rollout batch is
+        m versions stale, so M - 1 <= max_staleness.
+      routing_replay: R3, the trainer reuses the rollout's expert choices.
+    """
+
+    group_size: int = 8
+    advantage: str = "grpo"
+    adv_eps: float = 1e-6
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    is_cap: float | None = 5.0
+    beta: float = 0.0
+    dual_clip: float | None = None
+    tbpo_dual_clip: float = 3.0
+    tbpo_band: tuple[float, float] = (0.2, 5.0)
+    loss_aggregation: str = "token_mean"
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+    mini_batches: int = 1
+    max_staleness: int = 3
+    routing_replay: bool = True
+
+    def __post_init__(self):
+        errors = []
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                errors.append(msg)
+
+        need(self.group_size >= 2, f"group_size must be >= 2; got {self.group_size}")
+        need(
+            self.advantage in ADVANTAGES,
+            f"advantage must be one of {sorted(ADVANTAGES)}; got {self.advantage!r}",
+        )
+        need(self.adv_eps >= 0, f"adv_eps must be >= 0; got {self.adv_eps}")
+        need(0 < self.clip_eps_low < 1, f"clip_eps_low must be in (0, 1); got {self.clip_eps_low}")
+        need(self.clip_eps_high > 0, f"clip_eps_high must be > 0; got {self.clip_eps_high}")
+        need(
+            self.is_cap is None or self.is_cap >= 1,
+            f"is_cap must be >= 1 or None; got {self.is_cap}",
+        )
+        need(self.beta >= 0, f"beta must be >= 0; got {self.beta}")
+        need(
+            self.dual_clip is None or self.dual_clip > 1,
+            f"dual_clip must be > 1 or None; got {self.dual_clip}",
+        )
+        need(self.tbpo_dual_clip > 1, f"tbpo_dual_clip must be > 1; got {self.tbpo_dual_clip}")
+        band = tuple(self.tbpo_band)
+        need(
+            len(band) == 2 and 0 <= band[0] < 1 < band[1],
+            f"tbpo_band must be (b_lo, b_hi) with 0 <= b_lo < 1 < b_hi; got {self.tbpo_band}",
+        )
+        need(
+            self.loss_aggregation in AGGREGATIONS,
+            f"loss_aggregation must be one of {AGGREGATIONS}; got {self.loss_aggregation!r}",
+        )
+        need(self.learning_rate > 0, f"learning_rate must be > 0; got {self.learning_rate}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0; got {self.warmup_steps}")
+        need(
+            0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}"
+        )
+        need(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}")
+        need(0 <= self.adam_b1 < 1, f"adam_b1 must be in [0, 1); got {self.adam_b1}")
+        need(0 <= self.adam_b2 < 1, f"adam_b2 must be in [0, 1); got {self.adam_b2}")
+        need(self.adam_eps > 0, f"adam_eps must be > 0; got {self.adam_eps}")
+        need(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            f"grad_clip_norm must be > 0 or None; got {self.grad_clip_norm}",
+        )
+        need(self.mini_batches >= 1, f"mini_batches must be >= 1; got {self.mini_batches}")
+        need(self.max_staleness >= 0, f"max_staleness must be >= 0; got {self.max_staleness}")
+        need(
+            self.mini_batches - 1 <= self.max_staleness,
+            f"mini_batches={self.mini_batches} makes the last mini-batch "
+            f"{self.mini_batches - 1} versions stale > max_staleness={self.max_staleness}",
+        )
+        if errors:
+            raise ValueError("invalid GRPOConfig: " + "; ".join(errors))
+        object.__setattr__(self, "tbpo_band", (float(band[0]), float(band[1])))
+
+    def loss_kwargs(self, loss: str) -> dict:
+        """The keyword hyper-parameters of the loss `loss` ("ppo_clip" or "tbpo") in this config."""
+        common = {
+            "clip_eps_low": self.clip_eps_low,
+            "clip_eps_high": self.clip_eps_high,
+            "is_cap": self.is_cap,
+            "beta": self.beta,
+            "aggregation": self.loss_aggregation,
+        }
+        if loss == "ppo_clip":
+            return common | {"dual_clip": self.dual_clip}
+        if loss == "tbpo":
+            return common | {"dual_clip": self.tbpo_dual_clip, "band": self.tbpo_band}
+        raise ValueError(f"unknown loss {loss!r}; expected 'ppo_clip' or 'tbpo'")
+
+
+def make_schedule(cfg: GRPOConfig, total_steps: int | None = None) -> optax.Schedule:
+    """Linear warmup to `cfg.learning_rate`, then cosine decay to `min_lr_ratio` of it.
+
+    `total_steps` counts optimizer steps (RL steps x mini-batches), warmup included; None keeps
+    the rate constant after the warmup.
+    """
+    peak = cfg.learning_rate
+    if total_steps is None:
+        if cfg.warmup_steps == 0:
+            return optax.constant_schedule(peak)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, cfg.warmup_steps), optax.constant_schedule(peak)],
+            [cfg.warmup_steps],
+        )
+    if total_steps <= cfg.warmup_steps:
+        raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={cfg.warmup_steps}")
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=total_steps,
+        end_value=peak * cfg.min_lr_ratio,
+    )
+
+
+def _decay_mask(params):
+    """Weight decay on matrices and larger (not on norms' scales or biases)."""
+    return jax.tree.map(lambda p: jax.numpy.ndim(p) >= 2, params)
+
+
+def make_optimizer(cfg: GRPOConfig, total_steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW on `make_schedule(cfg, total_steps)`, after global-norm gradient clipping."""
+    adamw = optax.adamw(
+        make_schedule(cfg, total_steps),
+        b1=cfg.adam_b1,
+        b2=cfg.adam_b2,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        mask=_decay_mask,
+    )
+    if cfg.grad_clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)

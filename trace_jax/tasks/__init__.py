@@ -1,0 +1,94 @@
+"""Verifiable reasoning tasks generated in code: tokenizer, generators, verifiers, splits.
+
+Three tasks (`TaskKind`), each at difficulty levels 1-5, each problem a pure function of a seed:
+multi-step arithmetic (`3+4*2-5=`), countdown (`40 from 3,12,7,4:`) and straight-line programs
+(`a=3;b=a*2;c=b-1;?c`). A model sees `BOS prompt` and answers `reasoning > answer EOS`;
+`reward` parses that and checks it exactly. `eval_split` gives the fixed held-out splits
+("aime24", "aime25", "hmmt25", "livecodebench"); `train_stream` never yields their prompts.
+
+Rollout settings that match: `SamplingConfig(stop_tokens=(EOS_ID,), pad_id=PAD_ID)`.
+"""
+
+from trace_jax.tasks.encoding import (
+    SFTBatch,
+    encode_prompts,
+    encode_sft_batch,
+    prompt_ids,
+    solution_ids,
+)
+from trace_jax.tasks.problem import LEVELS, Problem, TaskKind
+from trace_jax.tasks.registry import TASKS, check_answer, generate, is_well_formed, level_spec
+from trace_jax.tasks.splits import (
+    SPLIT_NAMES,
+    SPLITS,
+    SplitSpec,
+    eval_split,
+    eval_splits,
+    held_out_prompts,
+    split_stats,
+    train_stream,
+)
+from trace_jax.tasks.tokenizer import (
+    ANSWER_ID,
+    ANSWER_MARKER,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    TOKENIZER,
+    VOCAB,
+    VOCAB_SIZE,
+    Tokenizer,
+)
+from trace_jax.tasks.verify import (
+    Score,
+    batch_rewards,
+    extract_answer,
+    pass_at_1,
+    pass_at_k,
+    response_text,
+    responses_from_rollout,
+    reward,
+    score,
+)
+
+__all__ = [
+    "ANSWER_ID",
+    "ANSWER_MARKER",
+    "BOS_ID",
+    "EOS_ID",
+    "LEVELS",
+    "PAD_ID",
+    "SPLITS",
+    "SPLIT_NAMES",
+    "TASKS",
+    "TOKENIZER",
+    "VOCAB",
+    "VOCAB_SIZE",
+    "Problem",
+    "SFTBatch",
+    "Score",
+    "SplitSpec",
+    "TaskKind",
+    "Tokenizer",
+    "batch_rewards",
+    "check_answer",
+    "encode_prompts",
+    "encode_sft_batch",
+    "eval_split",
+    "eval_splits",
+    "extract_answer",
+    "generate",
+    "held_out_prompts",
+    "is_well_formed",
+    "level_spec",
+    "pass_at_1",
+    "pass_at_k",
+    "prompt_ids",
+    "response_text",
+    "responses_from_rollout",
+    "reward",
+    "score",
+    "solution_ids",
+    "split_stats",
+    "train_stream",
+]

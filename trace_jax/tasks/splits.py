@@ -1,0 +1,161 @@
+"""The training stream and the fixed held-out test splits (stand-ins for the paper's benchmarks).
+
+| split           | stands for     | content                                        |
+| --------------- | -------------- | ---------------------------------------------- |
+| `aime24`        | AIME 2024      | 48 arithmetic + 48 countdown, level 2          |
+| `aime25`        | AIME 2025      | 48 arithmetic + 48 countdown, level 3          |
+| `hmmt25`        | HMMT Feb 2025  | 48 arithmetic + 48 countdown, level 4          |
+| `livecodebench` | LiveCodeBench  | 32 programs each at levels 2, 3, 4             |
+
+Splits are generated from fixed seeds, in this order, with every prompt unique across all of
+them; `train_stream` skips any held-out prompt, so training never sees a test problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from trace_jax.tasks import registry
+from trace_jax.tasks.problem import LEVELS, Problem, TaskKind
+
+_TRAIN_ENTROPY = 0x7472_6169  # "trai": seeds of the training stream
+_TEST_ENTROPY = 0x7465_7374  # "test": seeds of the held-out splits
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SplitSpec:
+    """A held-out split: `parts` are (task, level, count), generated from `seed`."""
+
+    name: str
+    stands_for: str
+    parts: tuple[tuple[TaskKind, int, int], ...]
+    seed: int
+
+    @property
+    def size(self) -> int:
+        return sum(count for _, _, count in self.parts)
+
+
+def _math(name: str, stands_for: str, level: int, seed: int) -> SplitSpec:
+    parts = ((TaskKind.ARITHMETIC, level, 48), (TaskKind.COUNTDOWN, level, 48))
+    return SplitSpec(name=name, stands_for=stands_for, parts=parts, seed=seed)
+
+
+SPLITS = {
+    s.name: s
+    for s in (
+        _math("aime24", "AIME 2024", level=2, seed=2024),
+        _math("aime25", "AIME 2025", level=3, seed=2025),
+        _math("hmmt25", "HMMT February 2025", level=4, seed=2502),
+        SplitSpec(
+            name="livecodebench",
+            stands_for="LiveCodeBench",
+            parts=tuple((TaskKind.PROGRAM, level, 32) for level in (2, 3, 4)),
+            seed=5000,
+        ),
+    )
+}
+SPLIT_NAMES = tuple(SPLITS)
+
+
+@functools.cache
+def _all_splits() -> dict[str, tuple[Problem, ...]]:
+    seen: set[str] = set()
+    out = {}
+    for spec in SPLITS.values():
+        problems = []
+        for part, (task, level, count) in enumerate(spec.parts):
+            rng = np.random.default_rng([_TEST_ENTROPY, spec.seed, part])
+            got = 0
+            while got < count:
+                problem = registry.generate(task, rng, level)
+                if problem.prompt in seen:
+                    continue
+                seen.add(problem.prompt)
+                problems.append(problem)
+                got += 1
+        out[spec.name] = tuple(problems)
+    return out
+
+
+def eval_split(name: str) -> list[Problem]:
+    """The held-out split `name` (see `SPLIT_NAMES`): the same list on every call."""
+    if name not in SPLITS:
+        raise ValueError(f"unknown split {name!r}; expected one of {SPLIT_NAMES}")
+    return list(_all_splits()[name])
+
+
+def eval_splits() -> dict[str, list[Problem]]:
+    """Every held-out split by name."""
+    return {name: list(problems) for name, problems in _all_splits().items()}
+
+
+@functools.cache
+def held_out_prompts() -> frozenset[str]:
+    """Prompts of every held-out problem."""
+    return frozenset(p.prompt for problems in _all_splits().values() for p in problems)
+
+
+def train_stream(
+    seed: int,
+    *,
+    tasks: Sequence[TaskKind | str] = tuple(TaskKind),
+    levels: Sequence[int] = LEVELS,
+    weights: Sequence[float] | None = None,
+) -> Iterator[Problem]:
+    """An endless, deterministic stream of training problems, none of them held out.
+
+    Each problem picks a task from `tasks` (with probabilities `weights`, uniform by default)
+    and a level uniformly from `levels`.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    tasks = tuple(TaskKind(t) for t in tasks)
+    levels = tuple(levels)
+    if not tasks or not levels:
+        raise ValueError(f"tasks and levels must be non-empty, got {tasks!r}, {levels!r}")
+    for task in tasks:
+        for level in levels:
+            registry.level_spec(task, level)  # raises on an unknown level
+    if weights is None:
+        probs = np.full(len(tasks), 1.0 / len(tasks))
+    else:
+        probs = np.asarray(weights, dtype=np.float64)
+        if probs.shape != (len(tasks),) or (probs < 0).any() or probs.sum() <= 0:
+            raise ValueError(
+                f"weights must be {len(tasks)} non-negative numbers with a positive sum, "
+                f"got {weights!r}"
+            )
+        probs = probs / probs.sum()
+    return _stream(seed, tasks, levels, probs)
+
+
+def _stream(
+    seed: int, tasks: tuple[TaskKind, ...], levels: tuple[int, ...], probs: np.ndarray
+) -> Iterator[Problem]:
+    held_out = held_out_prompts()
+    rng = np.random.default_rng([_TRAIN_ENTROPY, seed])
+    while True:
+        task = tasks[int(rng.choice(len(tasks), p=probs))]
+        level = levels[int(rng.integers(len(levels)))]
+        problem = registry.generate(task, rng, level)
+        if problem.prompt not in held_out:
+            yield problem
+
+
+def split_stats(problems: Sequence[Problem]) -> dict[str, float]:
+    """Size, mean difficulty and mean / max token lengths of a list of problems."""
+    prompt = np.asarray([p.prompt_tokens for p in problems])
+    solution = np.asarray([p.solution_tokens for p in problems])
+    return {
+        "size": len(problems),
+        "mean_difficulty": float(np.mean([p.difficulty for p in problems])),
+        "mean_prompt_tokens": float(prompt.mean()),
+        "max_prompt_tokens": int(prompt.max()),
+        "mean_solution_tokens": float(solution.mean()),
+        "max_solution_tokens": int(solution.max()),
+    }
