@@ -1,0 +1,36 @@
+r"""The `tiny` preset on the CPU: SFT warm start, then a short RL run (quickstart scale).
+
+python -m experiments.sft --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny
+python -m experiments.sft --config=configs/tiny_cpu.py --config.sft.steps=50
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.model = ml_collections.ConfigDict({"preset": "tiny", "init_std": 0.02})
+    c.tasks = ml_collections.ConfigDict(
+        {"levels": (1, 2), "kinds": ("arithmetic", "countdown", "program")}
+    )
+    c.sft = ml_collections.ConfigDict(
+        {
+            "steps": 400,
+            "batch_size": 32,
+            "learning_rate": 3e-3,
+            "warmup_steps": 20,
+            "weight_decay": 0.01,
+            "log_every": 50,
+        }
+    )
+    c.eval = ml_collections.ConfigDict(
+        {
+            "splits": ("aime24", "aime25", "hmmt25", "livecodebench"),
+            "problems_per_split": 48,
+            "k": 1,
+            "temperature": 0.0,
+            "max_new_tokens": 64,
+        }
+    )
+    return c

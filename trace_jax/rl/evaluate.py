@@ -1,0 +1,56 @@
+"""Held-out evaluation: pass@1 of a policy on the task splits, averaged over k samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax import tasks
+from trace_jax.models import Qwen3MoE
+from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.rollout import SamplingConfig, generate
+
+
+def evaluate_pass_at_1(
+    model: Qwen3MoE,
+    problems: Sequence[tasks.Problem],
+    key: jax.Array,
+    *,
+    k: int = 1,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    qcfg: QuantConfig | None = None,
+    mode: SiteMode = SiteMode.OFF,
+) -> float:
+    """Mean over problems of the mean exact-answer reward of `k` samples (greedy when T = 0).
+
+    `qcfg`/`mode` choose the execution: SiteMode.OFF is bf16, SiteMode.RTN the FP4 policy.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    repeated = [p for p in problems for _ in range(k)]
+    prompts, lengths = tasks.encode_prompts(repeated)
+    graphdef, params = nnx.split(model)
+    sampling = SamplingConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_tokens=(tasks.EOS_ID,),
+        pad_id=tasks.PAD_ID,
+    )
+    roll = generate(
+        graphdef,
+        params,
+        jnp.asarray(prompts),
+        jnp.asarray(lengths),
+        key,
+        sampling=sampling,
+        qcfg=qcfg or QuantConfig.bf16(),
+        mode=mode,
+    )
+    responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+    rewards = tasks.batch_rewards(repeated, responses)
+    return float(tasks.pass_at_1(np.asarray(rewards).reshape(len(problems), k)))
