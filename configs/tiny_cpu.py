@@ -33,4 +33,23 @@ def get_config() -> ml_collections.ConfigDict:
             "max_new_tokens": 64,
         }
     )
+    c.rl = ml_collections.ConfigDict(
+        {
+            "method": "trace",  # bf16 | fp4_qat | qarl | quads | trace | trace_full
+            "format": "nvfp4",  # nvfp4 | mxfp4_w4a4 | mxfp4_w4a8
+            "init_from": "",  # an SFT checkpoint directory ("" = random init)
+            "steps": 20,
+            "prompts_per_step": 8,
+            "group_size": 4,
+            "max_new_tokens": 48,
+            "temperature": 1.0,
+            "learning_rate": 1e-4,
+            "warmup_steps": 0,
+            "mini_batches": 1,
+            "is_cap": 5.0,
+            "routing_replay": True,
+            "eval_every": 10,
+            "checkpoint_every": 10,
+        }
+    )
     return c

@@ -1,0 +1,230 @@
+r"""GRPO with FP4 rollouts and any of the paper's methods; resumable.
+
+  python -m experiments.main --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny \
+      --config.rl.init_from=/tmp/trace_tiny/sft_checkpoint --config.rl.method=trace
+
+Each step: sample `prompts_per_step` training problems x `group_size`, roll out with the method's
+rollout recipe (FP4 W/A/KV for the FP4 methods) while capturing guidance, pass the guidance through
+the tensorstore guidance store (write async -> read back, version-checked), score the responses,
+and run the method's GRPO update. Writes to --workdir: `rl_metrics.jsonl` (reward, response
+length, train-rollout log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, time
+split into rollout / guidance I/O / training), `rl_eval.jsonl` (pass@1 per split), `rl_curves.png`,
+orbax checkpoints `rl_checkpoints/` (resume: rerun the same command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from flax import nnx
+from ml_collections import config_flags
+from tqdm import tqdm
+
+from experiments import sft
+from trace_jax import tasks
+from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.models import init_model
+from trace_jax.rl.advantages import grpo_advantages
+from trace_jax.rl.config import GRPOConfig, make_optimizer
+from trace_jax.rl.evaluate import evaluate_pass_at_1
+from trace_jax.rl.methods import get_method
+from trace_jax.rl.step import grpo_step, old_logprobs
+from trace_jax.rollout import SamplingConfig, generate
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _problems(seed: int, step: int, n: int) -> list[tasks.Problem]:
+    """The step's training problems: a pure function of (seed, step), so resumes replay them."""
+    return list(itertools.islice(tasks.train_stream(seed * 1_000_003 + step), n))
+
+
+def _checkpointer(workdir: str, every: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every)
+    return ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), "rl_checkpoints"), options=options
+    )
+
+
+def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
+    """Trains for `cfg.rl.steps` steps (resuming from the last checkpoint); returns the metrics.
+
+    `stop_after` ends this process after that many steps, as if it were killed (tests resume).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    rl = cfg.rl
+    mcfg = sft.model_config(cfg)
+    model = init_model(mcfg, seed=cfg.seed)
+    if rl.init_from:
+        sft.load_params(model, rl.init_from)
+    setup = get_method(rl.method).setup(rl.format, mcfg.n_layers)
+    grpo = GRPOConfig(
+        group_size=rl.group_size,
+        learning_rate=rl.learning_rate,
+        warmup_steps=rl.warmup_steps,
+        mini_batches=rl.mini_batches,
+        is_cap=rl.is_cap,
+        routing_replay=rl.routing_replay,
+    )
+    optimizer = nnx.Optimizer(
+        model, make_optimizer(grpo, rl.steps * rl.mini_batches), wrt=nnx.Param
+    )
+    sampling = SamplingConfig(
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        stop_tokens=(tasks.EOS_ID,),
+        pad_id=tasks.PAD_ID,
+    )
+    ckpt = _checkpointer(workdir, rl.checkpoint_every)
+    start = 0
+    if ckpt.latest_step() is not None:
+        start = ckpt.latest_step() + 1
+        abstract = {"model": nnx.state(model, nnx.Param), "opt": nnx.state(optimizer)}
+        restored = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(abstract))
+        nnx.update(model, restored["model"])
+        nnx.update(optimizer, restored["opt"])
+        logging.info("resumed from step %d", start - 1)
+    store = GuidanceStore(GuidanceStoreConfig(kvstore=os.path.join(workdir, "guidance")))
+    run_id = f"{rl.method}_{rl.format}"
+    key = jax.random.key(cfg.seed)
+    mode = "a" if start else "w"
+    history = []
+    with open(os.path.join(workdir, "rl_metrics.jsonl"), mode) as log, store:
+        for step in tqdm(
+            range(start, rl.steps), desc=f"rl {rl.method}", initial=start, total=rl.steps
+        ):
+            problems = _problems(cfg.seed, step, rl.prompts_per_step)
+            batch = [p for p in problems for _ in range(rl.group_size)]
+            prompts, lengths = tasks.encode_prompts(batch)
+            t0 = time.perf_counter()
+            gd, params = nnx.split(model)
+            roll = generate(
+                gd,
+                params,
+                jnp.asarray(prompts),
+                jnp.asarray(lengths),
+                jax.random.fold_in(key, step),
+                sampling=sampling,
+                qcfg=setup.rollout_qcfg,
+                mode=setup.rollout_mode,
+                capture=setup.capture,
+                capture_mode=setup.capture_mode,
+            )
+            jax.block_until_ready(roll.tokens)
+            t1 = time.perf_counter()
+            if setup.capture:  # rollout -> store -> trainer, version-checked
+                store.write_async(run_id, step, roll.guidance, policy_version=step)
+                store.flush()
+                guidance = store.read(run_id, step, expected_version=step)
+                roll = dataclasses.replace(roll, guidance=jax.device_put(guidance))
+            t2 = time.perf_counter()
+            responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+            rewards = tasks.batch_rewards(batch, responses)
+            adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
+            lp_old = old_logprobs(model, roll, setup=setup, grpo=grpo, temperature=rl.temperature)
+            for _ in range(rl.mini_batches):
+                metrics = grpo_step(
+                    model,
+                    optimizer,
+                    roll,
+                    adv,
+                    lp_old,
+                    setup=setup,
+                    grpo=grpo,
+                    temperature=rl.temperature,
+                )
+            m = {k: float(v) for k, v in metrics.items()}
+            t3 = time.perf_counter()
+            if not np.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {step}")
+            if setup.capture:
+                store.gc(run_id, step)
+            history.append(
+                {
+                    "step": step,
+                    "reward": float(np.mean(rewards)),
+                    "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
+                    **m,
+                    "time_rollout_s": t1 - t0,
+                    "time_guidance_io_s": t2 - t1,
+                    "time_train_s": t3 - t2,
+                }
+            )
+            log.write(json.dumps(history[-1]) + "\n")
+            log.flush()
+            ckpt.save(
+                step,
+                args=ocp.args.StandardSave(
+                    {"model": nnx.state(model, nnx.Param), "opt": nnx.state(optimizer)}
+                ),
+            )
+            if rl.eval_every and (step + 1) % rl.eval_every == 0:
+                _evaluate(model, cfg, setup, step, workdir)
+            if stop_after is not None and step + 1 - start >= stop_after:
+                break
+    ckpt.wait_until_finished()
+    _plot(workdir)
+    return history
+
+
+def _evaluate(model, cfg, setup, step, workdir) -> None:
+    row = {"step": step}
+    for name in cfg.eval.splits:
+        problems = tasks.eval_split(name)[: cfg.eval.problems_per_split]
+        row[name] = evaluate_pass_at_1(
+            model,
+            problems,
+            jax.random.key(step),
+            k=cfg.eval.k,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            temperature=cfg.eval.temperature,
+            qcfg=setup.rollout_qcfg,
+            mode=setup.rollout_mode,
+        )
+    with open(os.path.join(workdir, "rl_eval.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    logging.info("eval %s", row)
+
+
+def _plot(workdir: str) -> None:
+    path = os.path.join(workdir, "rl_metrics.jsonl")
+    rows = [json.loads(line) for line in open(path).read().splitlines()]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    steps = [r["step"] for r in rows]
+    for ax, key, label in zip(
+        axes,
+        ("reward", "train_rollout_gap_mean", "response_length"),
+        ("mean reward", "mean |logp train - rollout|", "response tokens"),
+        strict=True,
+    ):
+        ax.plot(steps, [r[key] for r in rows], "o-", ms=3)
+        ax.set(xlabel="RL step", title=label)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "rl_curves.png"), dpi=110)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    run(flags.FLAGS.config, flags.FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
+    flags.DEFINE_string("workdir", "workdir/rl", "checkpoints, guidance store, logs")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
