@@ -120,6 +120,7 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 mode=setup.rollout_mode,
                 capture=setup.capture,
                 capture_mode=setup.capture_mode,
+                residual_fraction=setup.rollout_residual_channels,
             )
             jax.block_until_ready(roll.tokens)
             t1 = time.perf_counter()

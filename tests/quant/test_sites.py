@@ -62,3 +62,25 @@ def test_modes_and_weights():
     with pytest.raises(ValueError, match="out of range"):
         QuantConfig(guided_layers=(5,)).layers_guided(4)
     assert QuantConfig().layers_guided(8) == (4, 5, 6, 7)
+
+
+def test_quads_residual_compensation_reduces_the_activation_error():
+    qcfg = QuantConfig.mxfp4_w4a4()
+    x = jax.random.t(jax.random.key(4), 3.0, (4, 6, 64))
+    plain = QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False)
+    comp = QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False, residual_fraction=0.125)
+    y0 = plain(x, name="expert_in", layer=0)
+    y1 = comp(x, name="expert_in", layer=0)
+    e0 = jnp.abs(y0 - x)
+    e1 = jnp.abs(y1 - x)
+    assert float(jnp.linalg.norm(y1 - x)) < 0.9 * float(jnp.linalg.norm(y0 - x))
+    # Only the 8 worst channels per row change, each one's error shrinks or stays.
+    changed = np.asarray(y1 != y0)
+    assert changed.sum(-1).max() <= 8 and changed.any()
+    assert bool(jnp.all(jnp.where(changed, e1 <= e0, True)))
+    # KV sites and weights are not compensated.
+    np.testing.assert_array_equal(
+        comp(x[..., None, :], name="k", layer=0), plain(x[..., None, :], name="k", layer=0)
+    )
+    with pytest.raises(ValueError, match="rollout feature"):
+        QuantSites(qcfg, 2, SiteMode.RTN, residual_fraction=0.1)

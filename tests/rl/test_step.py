@@ -57,6 +57,7 @@ def test_every_method_runs_one_grpo_step(name):
         mode=setup.rollout_mode,
         capture=setup.capture,
         capture_mode=setup.capture_mode,
+        residual_fraction=setup.rollout_residual_channels,
     )
     assert set(roll.guidance) == set(setup.capture)
     # A random policy earns no reward: use a synthetic one so the advantages are not all zero.

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, QTensor
-from trace_jax.quant.config import WEIGHT_SITES, QuantConfig, SiteMode
+from trace_jax.quant.config import ACTIVATION_SITES, WEIGHT_SITES, QuantConfig, SiteMode
 
 
 def site_key(layer: int, name: str) -> str:
@@ -82,6 +82,9 @@ class QuantSites:
         quantize/dequantize (rollout). Both give the same values.
       kernel_backend: rollout only: "pallas" quantizes FP4 activation and KV sites with the fused
         Pallas quantize + capture kernel (identical codes), "xla" with `trace_jax.fp4`.
+      residual_fraction: rollout only (QUADS): per token, the fraction of activation channels
+        with the largest quantization error whose residual gets a second FP4 pass that is added
+        back (residual activation compensation). 0 disables it.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class QuantSites:
         valid: jax.Array | None = None,
         differentiable: bool = True,
         kernel_backend: str = "xla",
+        residual_fraction: float = 0.0,
     ):
         self.qcfg = qcfg
         self.mode = SiteMode(mode)
@@ -112,6 +116,11 @@ class QuantSites:
         if kernel_backend == "pallas" and differentiable:
             raise ValueError("the Pallas quantize kernel serves the rollout (differentiable=False)")
         self.kernel_backend = kernel_backend
+        if not 0.0 <= residual_fraction <= 1.0:
+            raise ValueError(f"residual_fraction must be in [0, 1], got {residual_fraction}")
+        if residual_fraction and differentiable:
+            raise ValueError("residual compensation is a rollout feature (differentiable=False)")
+        self.residual_fraction = residual_fraction
         self.captured: dict[str, QTensor] = {}
         self.stats: dict[str, dict[str, jax.Array]] = {}
         self.coverage: dict[str, dict[str, jax.Array]] = {}
@@ -162,6 +171,9 @@ class QuantSites:
         else:
             y = fp4.dequantize(fp4.quantize(x, fmt, rounding=rounding, guidance=g), x.dtype)
 
+        if self.residual_fraction and name in ACTIVATION_SITES:
+            y = self._compensate(x, y, fmt)
+
         if key in self.capture or key in self.reference:
             if q is None:  # same inputs as the forward value: XLA computes it once
                 q = fp4.quantize(jax.lax.stop_gradient(x), fmt, rounding=rounding, guidance=g)
@@ -179,3 +191,14 @@ class QuantSites:
                     where=None if where is None else where[..., None],
                 )
         return y
+
+    def _compensate(self, x: jax.Array, y: jax.Array, fmt) -> jax.Array:
+        """QUADS: adds a second FP4 pass over the residual of each row's worst channels."""
+        residual = x.astype(jnp.float32) - y.astype(jnp.float32)
+        n = x.shape[-1]
+        k = max(1, round(self.residual_fraction * n))
+        err = jnp.abs(residual)
+        kth = jax.lax.top_k(err, k)[0][..., -1:]
+        picked = jnp.where(err >= kth, residual, 0.0)
+        second = fp4.dequantize(fp4.quantize(picked, fmt), jnp.float32)
+        return (y.astype(jnp.float32) + second).astype(x.dtype)

@@ -113,6 +113,7 @@ def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
         "capture",
         "capture_mode",
         "kernel_backend",
+        "residual_fraction",
     ),
 )
 def generate(
@@ -128,6 +129,7 @@ def generate(
     capture: tuple[str, ...] = (),
     capture_mode: GuidanceMode = GuidanceMode.COMPACT,
     kernel_backend: str = "xla",
+    residual_fraction: float = 0.0,
 ) -> Rollout:
     """Samples `sampling.max_new_tokens` tokens after each right-padded prompt.
 
@@ -142,6 +144,7 @@ def generate(
       kernel_backend: "xla", or "pallas" for the Pallas FP4 kernels (fused quantize + capture at
         the FP4 sites and KV writes, FP4 decode attention over the packed cache); both record
         identical codes and guidance.
+      residual_fraction: QUADS' residual activation compensation (see `QuantSites`); 0 = off.
     """
     model: Qwen3MoE = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -161,6 +164,7 @@ def generate(
             capture=capture,
             differentiable=False,
             kernel_backend=kernel_backend,
+            residual_fraction=residual_fraction,
         )
 
     # Prefill the prompts.
