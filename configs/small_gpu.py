@@ -1,0 +1,30 @@
+r"""The `small` preset (64M parameters, 20M active) on one H200: SFT warm start, then GRPO.
+
+  python -m experiments.sft --config=configs/small_gpu.py --workdir=/tmp/trace_small
+  python -m experiments.main --config=configs/small_gpu.py --workdir=/tmp/trace_small \
+      --config.rl.init_from=/tmp/trace_small/sft_checkpoint --config.rl.method=trace
+"""
+
+import ml_collections
+
+from configs import tiny_cpu
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = tiny_cpu.get_config()
+    c.model.preset = "small"
+    c.tasks.levels = (1, 2, 3, 4)
+    c.sft.update(steps=3000, batch_size=64, learning_rate=1e-3, warmup_steps=100, log_every=100)
+    c.eval.update(problems_per_split=96, k=4, temperature=1.0, max_new_tokens=128)
+    c.rl.update(
+        steps=200,
+        prompts_per_step=32,
+        group_size=8,
+        max_new_tokens=128,
+        learning_rate=1e-5,
+        warmup_steps=10,
+        mini_batches=2,
+        eval_every=25,
+        checkpoint_every=25,
+    )
+    return c
