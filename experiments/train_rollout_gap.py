@@ -112,8 +112,8 @@ def run(
     name: str = "train_rollout_gap",
 ) -> list[dict]:
     """Measures the gap in every mode and writes the results; returns the rows."""
-    cfg = ModelConfig.tiny() if preset == "tiny" else ModelConfig.small()
-    cfg = cfg.__class__(**{**cfg.__dict__, "init_std": init_std})
+    presets = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
+    cfg = presets[preset](init_std=init_std)
     layers = guided_layers(guidance_layers, cfg.n_layers)
     qcfg = recipe(formats, layers)
     key = jax.random.key(seed)
