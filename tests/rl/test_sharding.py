@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax import tasks
+from tests.rl.rollouts import task_rollout
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.sharding import make_mesh, shard_batch, shard_model, shard_optimizer
 from trace_jax.rl.step import grpo_step, old_logprobs
-from trace_jax.rollout import SamplingConfig, generate
 
 CFG = ModelConfig.tiny(dtype=jnp.float32)
 GRPO = GRPOConfig(group_size=2, learning_rate=1e-3)
@@ -32,24 +29,7 @@ def _build():
 def test_sharded_step_equals_unsharded():
     setup = get_method("trace").setup("nvfp4", CFG.n_layers)
     model, opt = _build()
-    problems = list(itertools.islice(tasks.train_stream(1, levels=(1,)), 4))
-    prompts, lengths = tasks.encode_prompts([p for p in problems for _ in range(2)])
-    gd, params = nnx.split(model)
-    sampling = SamplingConfig(
-        max_new_tokens=6, temperature=1.0, stop_tokens=(tasks.EOS_ID,), pad_id=tasks.PAD_ID
-    )
-    roll = generate(
-        gd,
-        params,
-        jnp.asarray(prompts),
-        jnp.asarray(lengths),
-        jax.random.key(2),
-        sampling=sampling,
-        qcfg=setup.rollout_qcfg,
-        mode=setup.rollout_mode,
-        capture=setup.capture,
-        capture_mode=setup.capture_mode,
-    )
+    roll = task_rollout(model, setup, n_problems=4, group_size=2)
     adv = grpo_advantages(jnp.asarray([1.0, 0, 0, 1, 1, 0, 0, 1]), 2)
     lp = old_logprobs(model, roll, setup=setup, grpo=GRPO, temperature=1.0)
     kw = dict(setup=setup, grpo=GRPO, temperature=1.0)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.rl.rollouts import task_rollout
 from trace_jax import tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.methods import METHODS, get_method
 from trace_jax.rl.step import grpo_step, old_logprobs, sft_step
-from trace_jax.rollout import SamplingConfig, generate
 
 CFG = ModelConfig.tiny()
 GRPO = GRPOConfig(group_size=2, learning_rate=1e-3)
@@ -40,25 +40,7 @@ def test_every_method_runs_one_grpo_step(name):
     model = init_model(CFG, seed=1)
     opt = nnx.Optimizer(model, make_optimizer(GRPO), wrt=nnx.Param)
     setup = get_method(name).setup("nvfp4", CFG.n_layers)
-    problems = list(itertools.islice(tasks.train_stream(1, levels=(1,)), 2))
-    prompts, lengths = tasks.encode_prompts([p for p in problems for _ in range(GRPO.group_size)])
-    gd, params = nnx.split(model)
-    sampling = SamplingConfig(
-        max_new_tokens=6, temperature=1.0, stop_tokens=(tasks.EOS_ID,), pad_id=tasks.PAD_ID
-    )
-    roll = generate(
-        gd,
-        params,
-        jnp.asarray(prompts),
-        jnp.asarray(lengths),
-        jax.random.key(2),
-        sampling=sampling,
-        qcfg=setup.rollout_qcfg,
-        mode=setup.rollout_mode,
-        capture=setup.capture,
-        capture_mode=setup.capture_mode,
-        residual_fraction=setup.rollout_residual_channels,
-    )
+    roll = task_rollout(model, setup, n_problems=2, group_size=GRPO.group_size)
     assert set(roll.guidance) == set(setup.capture)
     # A random policy earns no reward: use a synthetic one so the advantages are not all zero.
     rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0])
