@@ -114,49 +114,63 @@ def _load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
     return plgpu.load(ref.at[rows, :], mask=valid[:, None], other=zero)
 
 
-def decode_fp4_rows(codes: jax.Array, bits: jax.Array, fmt: BlockFormat) -> jax.Array:
-    """float32 `code * block_scale` [rows, Dh] of packed codes [rows, Dh/2] and scale bits
-    [rows, Dh/block] (uint8), inside or outside a kernel."""
+def decode_fp4_planes(
+    codes: jax.Array, bits: jax.Array, fmt: BlockFormat, dtype
+) -> tuple[jax.Array, jax.Array]:
+    """Even and odd elements of packed rows, each `code * block_scale * 2**-6` in `dtype`.
+
+    codes uint8 [rows, Dh/2] and scale bits uint8 [rows, Dh/block] -> two [rows, Dh/2] arrays
+    (element 2i of a row is column i of the first, 2i + 1 of the second), inside or outside a
+    kernel. No interleave: the kernel contracts them with the query's even and odd halves. The
+    2**-6 (`common.E4M3_ALIGN`) comes from the FP8 decode and is undone once after the dots.
+    `code * scale * 2**-6` is exact in bf16 (at most 6 significant bits) unless it underflows
+    (E8M0 scales below about 2**-118).
+    """
     rows, half = codes.shape
-    lo, hi = common.unpack_nibbles(codes)
-    # [rows, Dh/2, 2] -> [rows, Dh]: element 2i is the low nibble of byte i.
-    values = jnp.stack([common.decode_e2m1(lo), common.decode_e2m1(hi)], axis=-1)
-    values = values.reshape(rows, bits.shape[1], fmt.block_size)
-    # E8M0 bits 0 (2**-127, the empty-cache placeholder) decode to a float32 subnormal that may
-    # be flushed to zero, where `fp4.dequantize` keeps e.g. 6 * 2**-127: a difference < 1e-37.
-    scales = common.decode_scale_bits(bits, fmt)
-    return (values * scales[:, :, None]).reshape(rows, 2 * half)
+    nb = bits.shape[1]
+    scales = common.decode_scale_bits(bits, fmt).astype(dtype)[:, :, None]  # [rows, NB, 1]
+    planes = []
+    for plane in common.fp4_planes_as_e4m3(codes):
+        values = plane.astype(dtype).reshape(rows, nb, half // nb)
+        planes.append((values * scales).reshape(rows, half))
+    return planes[0], planes[1]
 
 
-# load_kv(kv_refs, start, valid) -> (k [block_s, Dh], k_row_scale [block_s] | None, v, v_row_scale)
+# load_kv(kv_refs, start, valid) -> (k planes, k_row_scale [block_s] | None, v planes, v_scale):
+# each planes entry a tuple of [block_s, Dh / n_planes] arrays matching the query planes.
 LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
 
 
 def _flash_decode_kernel(
     len_ref,
-    q_ref,
     *refs,
     load_kv: LoadKV,
+    n_planes: int,
     n_kv_refs: int,
     block_s: int,
     chunk: int,
     sm_scale: float,
+    v_factor: float,
 ):
-    """One (b, h, split): online softmax over the split's blocks; writes (acc, m, l)."""
-    kv_refs, (acc_ref, m_ref, sum_ref) = refs[:n_kv_refs], refs[n_kv_refs:]
+    """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l)."""
+    q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
+    acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
     length = len_ref[()]
     chunk_start = pl.program_id(2) * chunk
     # Blocks holding at least one valid slot; each such block has a finite score.
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
-    q = q_ref[...]  # [block_g, Dh], already in the dot dtype
-    block_g, head_dim = q.shape
+    qs = [r[...] for r in q_refs]  # [block_g, Dh / n_planes] each, already in the dot dtype
+    block_g = qs[0].shape[0]
 
     def body(i, carry):
-        m, total, acc = carry  # running max, running sum of exp, accumulator
+        m, total, accs = carry  # running max, running sum of exp, accumulator planes
         start = chunk_start + i * block_s
         valid = start + jnp.arange(block_s, dtype=jnp.int32) < length  # [block_s]
-        k, k_scale, v, v_scale = load_kv(kv_refs, start, valid)
-        s = jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
+        ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
+        s = sum(
+            jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
+            for q, k in zip(qs, ks, strict=True)
+        )
         if k_scale is not None:
             s = s * k_scale[None, :]
         s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)
@@ -166,16 +180,22 @@ def _flash_decode_kernel(
         total = alpha * total + p.sum(axis=1)
         if v_scale is not None:
             p = p * v_scale[None, :]
-        pv = jnp.dot(p.astype(v.dtype), v, precision=_PRECISION, preferred_element_type=jnp.float32)
-        return m_new, total, alpha[:, None] * acc + pv
+        p = p.astype(vs[0].dtype)
+        accs = tuple(
+            alpha[:, None] * acc
+            + jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, vs, strict=True)
+        )
+        return m_new, total, accs
 
     init = (
         jnp.full((block_g,), -jnp.inf, jnp.float32),
         jnp.zeros((block_g,), jnp.float32),
-        jnp.zeros((block_g, head_dim), jnp.float32),
+        tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
     )
-    m, total, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    acc_ref[...] = acc
+    m, total, accs = jax.lax.fori_loop(0, n_blocks, body, init)
+    for acc_ref, acc in zip(acc_refs, accs, strict=True):
+        acc_ref[...] = acc * v_factor
     m_ref[...] = m
     sum_ref[...] = total
 
@@ -184,9 +204,9 @@ def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
     def load_one(codes_ref, bits_ref, global_ref, start, valid):
         codes = _load_rows(codes_ref, start, block_s, valid)
         bits = _load_rows(bits_ref, start, block_s, valid)
-        values = decode_fp4_rows(codes, bits, fmt).astype(dot_dtype)
+        planes = decode_fp4_planes(codes, bits, fmt, dot_dtype)
         row_scale = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
-        return values, row_scale
+        return planes, row_scale
 
     def load_kv(refs, start, valid):
         if fmt.has_global_scale:
@@ -203,7 +223,7 @@ def _bf16_load_kv(block_s: int, dot_dtype) -> LoadKV:
         k_ref, v_ref = refs
         k = _load_rows(k_ref, start, block_s, valid).astype(dot_dtype)
         v = _load_rows(v_ref, start, block_s, valid).astype(dot_dtype)
-        return k, None, v, None
+        return (k,), None, (v,), None
 
     return load_kv
 
@@ -218,20 +238,29 @@ def _flash_decode(
     lengths: jax.Array,
     load_kv: LoadKV,
     *,
+    n_planes: int,
+    value_factor: float,
     config: BlockConfig,
     interpret: bool,
     name: str,
 ) -> jax.Array:
-    """q [B, H, Dh]; each kv array [B, S, Hkv, ...] (rows per slot and kv head) -> [B, H, Dh]."""
+    """q [B, H, Dh]; each kv array [B, S, Hkv, ...] (rows per slot and kv head) -> [B, H, Dh].
+
+    With `n_planes` = 2 the kernel sees the head dim as even and odd planes (FP4 rows decode that
+    way without an interleave); the output planes are interleaved back here. K and V values come
+    out of `load_kv` scaled by `value_factor`, undone on the scores and on the output.
+    """
     b, h, dh = q.shape
     s, hkv = kv_arrays[0].shape[1:3]
     g = h // hkv
     bg = config.block_g
     k_splits = config.k_splits(s)
     dot_dtype = dot_dtype_for(q.dtype)
+    dp = dh // n_planes
 
-    qg = q.reshape(b, hkv, g, dh).astype(dot_dtype)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, bg - g), (0, 0)))
+    qg = q.reshape(b, hkv, g, dp, n_planes).astype(dot_dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, bg - g), (0, 0), (0, 0)))
+    q_planes = [qg[..., i] for i in range(n_planes)]
     lengths = jnp.minimum(lengths.astype(jnp.int32), s)
 
     sq = pl.squeezed
@@ -243,33 +272,32 @@ def _flash_decode(
     kernel = functools.partial(
         _flash_decode_kernel,
         load_kv=load_kv,
+        n_planes=n_planes,
         n_kv_refs=len(kv_arrays),
         block_s=config.block_s,
         chunk=config.chunk,
-        sm_scale=dh**-0.5,
+        sm_scale=dh**-0.5 / value_factor,
+        v_factor=1.0 / value_factor,
     )
-    acc, m, total = pl.pallas_call(
+    acc_spec = pl.BlockSpec((sq, sq, sq, bg, dp), lambda i, j, t: (i, j, t, 0, 0))
+    stat_spec = pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0))
+    acc_shape = jax.ShapeDtypeStruct((b, hkv, k_splits, bg, dp), jnp.float32)
+    stat_shape = jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32)
+    *accs, m, total = pl.pallas_call(
         kernel,
         grid=(b, hkv, k_splits),
         in_specs=[
             pl.BlockSpec((sq,), lambda i, j, t: (i,)),
-            pl.BlockSpec((sq, sq, bg, dh), lambda i, j, t: (i, j, 0, 0)),
+            *(pl.BlockSpec((sq, sq, bg, dp), lambda i, j, t: (i, j, 0, 0)) for _ in q_planes),
             *(kv_spec(a) for a in kv_arrays),
         ],
-        out_specs=[
-            pl.BlockSpec((sq, sq, sq, bg, dh), lambda i, j, t: (i, j, t, 0, 0)),
-            pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0)),
-            pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, k_splits, bg, dh), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32),
-        ],
+        out_specs=[*(acc_spec for _ in q_planes), stat_spec, stat_spec],
+        out_shape=[*(acc_shape for _ in q_planes), stat_shape, stat_shape],
         compiler_params=common.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=name,
-    )(lengths, qg, *kv_arrays)
+    )(lengths, *q_planes, *kv_arrays)
+    acc = jnp.stack(accs, axis=-1).reshape(b, hkv, k_splits, bg, dh)  # planes interleaved back
     out = combine_partials(acc, m, total)  # [B, Hkv, block_g, Dh]
     return out[:, :, :g].reshape(b, h, dh).astype(q.dtype)
 
@@ -309,7 +337,15 @@ def fp4_decode_attention_pallas(
             arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, S, Hkv]
     load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype_for(q.dtype))
     return _flash_decode(
-        q, arrays, lengths, load_kv, config=config, interpret=interpret, name="fp4_decode_attn"
+        q,
+        arrays,
+        lengths,
+        load_kv,
+        n_planes=2,
+        value_factor=common.E4M3_ALIGN,
+        config=config,
+        interpret=interpret,
+        name="fp4_decode_attn",
     )
 
 
@@ -326,5 +362,13 @@ def bf16_decode_attention_pallas(
     """The same kernel over a bf16 cache k, v [B, S, Hkv, Dh] (inputs checked by the api)."""
     load_kv = _bf16_load_kv(config.block_s, dot_dtype_for(q.dtype))
     return _flash_decode(
-        q, [k, v], lengths, load_kv, config=config, interpret=interpret, name="bf16_decode_attn"
+        q,
+        [k, v],
+        lengths,
+        load_kv,
+        n_planes=1,
+        value_factor=1.0,
+        config=config,
+        interpret=interpret,
+        name="bf16_decode_attn",
     )

@@ -54,15 +54,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import (
-    decode_e2m1,
+    E4M3_ALIGN,
+    as_e4m3,
     decode_scale_bits,
+    e2m1_codes_as_e4m3,
+    fp4_planes_as_e4m3,
     scale_bits,
     triton_params,
-    unpack_nibbles,
 )
 from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights, check_operands
 from trace_jax import fp4
-from trace_jax.fp4 import numerics
 
 _MIN_DOT_DIM = 16  # Triton's smallest tensor-core tile edge for bfloat16 `tl.dot`.
 
@@ -84,8 +85,9 @@ class BlockConfig:
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            if not _is_pow2(value) or value < _MIN_DOT_DIM:
-                raise ValueError(f"{name} must be a power of two >= {_MIN_DOT_DIM}, got {value}")
+            least = 2 * _MIN_DOT_DIM if name == "block_k" else _MIN_DOT_DIM  # K: two planes
+            if not _is_pow2(value) or value < least:
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
         if not _is_pow2(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
         if self.num_stages < 1:
@@ -142,10 +144,16 @@ class _Statics:
     out_dtype: jnp.dtype
 
     @property
+    def unscale(self) -> float:
+        """Undoes the 2**-6 of every FP4 operand's E4M3-aligned decode."""
+        fp4_operands = 1 + (self.lhs_fmt is not None and self.lhs_fmt.is_fp4)
+        return (1.0 / E4M3_ALIGN) ** fp4_operands
+
+    @property
     def num_lhs_refs(self) -> int:
         if self.lhs_fmt is None:
-            return 1
-        return 3 if self.lhs_fmt.has_global_scale else 2
+            return 2
+        return 4 if self.lhs_fmt.has_global_scale else 3
 
 
 def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
@@ -154,32 +162,43 @@ def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
     return jnp.broadcast_to(s[:, :, None], (r, nb, block)).reshape(r, nb * block)
 
 
-def _lhs_tile(lhs_refs, k0, in_group, st: _Statics) -> jax.Array:
-    """bfloat16 `[block_m, block_k]` activations at K offset k0; rows outside the group are 0."""
-    bm, bk = st.block_m, st.block_k
-    mask = jnp.broadcast_to(in_group[:, None], (bm, bk))
+def _lhs_planes(lhs_refs, k0, in_group, st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """Even and odd K columns of the activations at K offset k0, bfloat16 `[block_m, block_k/2]`
+    each, times 2**-6 for FP4 activations; rows outside the group are 0.
+
+    lhs_refs hold the even and odd columns as separate arrays (split outside the kernel: a copy
+    of the activations, small next to the weights), then scale bits and the NVFP4 row scale.
+    """
+    bm, half = st.block_m, st.block_k // 2
+    mask = jnp.broadcast_to(in_group[:, None], (bm, half))
+    cols = pl.ds(pl.multiple_of(k0 // 2, half), half)
     if st.lhs_fmt is None:
-        return plgpu.load(lhs_refs[0].at[:, pl.ds(k0, bk)], mask=mask, other=0.0)
+        return tuple(plgpu.load(r.at[:, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
     fmt = st.lhs_fmt
-    nb = bk // fmt.block_size
-    codes = plgpu.load(lhs_refs[0].at[:, pl.ds(k0, bk)], mask=mask, other=0)
+    nb = st.block_k // fmt.block_size
     s_mask = jnp.broadcast_to(in_group[:, None], (bm, nb))
-    sbits = plgpu.load(lhs_refs[1].at[:, pl.ds(k0 // fmt.block_size, nb)], mask=s_mask, other=0)
-    values = numerics.decode(codes, fmt.elem)
-    scales = _expand_blocks(decode_scale_bits(sbits, fmt), fmt.block_size)
-    return (values * scales).astype(jnp.bfloat16)
+    sbits = plgpu.load(lhs_refs[2].at[:, pl.ds(k0 // fmt.block_size, nb)], mask=s_mask, other=0)
+    # Per plane, a scale block covers block_size / 2 consecutive columns.
+    scales = _expand_blocks(decode_scale_bits(sbits, fmt).astype(jnp.bfloat16), fmt.block_size // 2)
+    planes = []
+    for r in lhs_refs[:2]:
+        codes = plgpu.load(r.at[:, cols], mask=mask, other=0)
+        # FP4 codes -> E4M3 bits (value * 2**-6); FP8 codes are E4M3 already.
+        f8 = e2m1_codes_as_e4m3(codes) if fmt.is_fp4 else as_e4m3(codes)
+        planes.append(f8.astype(jnp.bfloat16) * scales)
+    return planes[0], planes[1]
 
 
-def _weight_tile(w_refs, g, k0, st: _Statics) -> jax.Array:
-    """bfloat16 `[block_n, block_k]` weights of expert g at K offset k0 (without global scale)."""
-    bn, bk, fmt = st.block_n, st.block_k, st.w_fmt
-    nb = bk // fmt.block_size
-    half = pl.multiple_of(k0 // 2, bk // 2)
-    low, high = unpack_nibbles(w_refs[0][g, :, pl.ds(half, bk // 2)])  # [bn, bk / 2] each
-    codes = jnp.stack([low, high], axis=-1).reshape(bn, bk)  # element 2i = low nibble
-    sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, nb)]
-    scales = _expand_blocks(decode_scale_bits(sbits, fmt), fmt.block_size)
-    return (decode_e2m1(codes) * scales).astype(jnp.bfloat16)
+def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
+    """Even and odd K columns of expert g's weights at K offset k0, bfloat16 `[block_n,
+    block_k/2]` each, times 2**-6 and the block scales (not the global scale)."""
+    fmt = st.w_fmt
+    half = pl.multiple_of(k0 // 2, st.block_k // 2)
+    packed = w_refs[0][g, :, pl.ds(half, st.block_k // 2)]  # [bn, bk / 2]: byte i = (2i, 2i + 1)
+    sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, st.block_k // fmt.block_size)]
+    scales = _expand_blocks(decode_scale_bits(sbits, fmt).astype(jnp.bfloat16), fmt.block_size // 2)
+    even, odd = fp4_planes_as_e4m3(packed)
+    return even.astype(jnp.bfloat16) * scales, odd.astype(jnp.bfloat16) * scales
 
 
 def _kernel(*refs, st: _Statics):
@@ -194,7 +213,7 @@ def _kernel(*refs, st: _Statics):
     in_bounds = rows < st.m
     row_scale = None
     if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
-        row_scale = plgpu.load(lhs_refs[2], mask=in_bounds, other=1.0)[:, None]  # [bm, 1]
+        row_scale = plgpu.load(lhs_refs[3], mask=in_bounds, other=1.0)[:, None]  # [bm, 1]
 
     def group_step(g, acc):
         lo = bounds_ref[g]
@@ -202,15 +221,18 @@ def _kernel(*refs, st: _Statics):
         in_group = (rows >= lo) & (rows < hi)
 
         def k_step(kk, acc_g):
+            # K split into even and odd columns: packed weight bytes decode without interleave.
             k0 = pl.multiple_of(kk * st.block_k, st.block_k)
-            a = _lhs_tile(lhs_refs, k0, in_group, st)  # [bm, bk]
-            w = _weight_tile(w_refs, g, k0, st)  # [bn, bk]
-            return acc_g + jnp.dot(a, w.T, preferred_element_type=jnp.float32)
+            a_even, a_odd = _lhs_planes(lhs_refs, k0, in_group, st)  # [bm, bk / 2] each
+            w_even, w_odd = _weight_planes(w_refs, g, k0, st)  # [bn, bk / 2] each
+            acc_g = acc_g + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
+            return acc_g + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
 
         def visit(acc):
             acc_g = jax.lax.fori_loop(
                 0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32)
             )
+            acc_g = acc_g * st.unscale  # the FP8-decode factors, powers of two: exact
             if st.w_fmt.has_global_scale:
                 acc_g = acc_g * w_refs[2][g]
             if row_scale is not None:
@@ -269,15 +291,19 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     def row_panel(width):
         return pl.BlockSpec((bm, width), lambda i, j: (i, 0))
 
+    def even_odd(a):  # [M, K] -> its even and odd columns, [M, K / 2] each
+        pairs = a.reshape(m, k // 2, 2)
+        return [pairs[..., 0], pairs[..., 1]]
+
     bounds, first, end = tile_group_ranges(group_sizes, m, bm)
     operands = [bounds, first, end]
     in_specs = [whole(g + 1), whole(num_tiles), whole(num_tiles)]
     if lhs_fmt is None:
-        operands.append(lhs)
-        in_specs.append(row_panel(k))
+        operands += even_odd(lhs)
+        in_specs += [row_panel(k // 2)] * 2
     else:
-        operands += [lhs.codes, scale_bits(lhs.scales)]
-        in_specs += [row_panel(k), row_panel(k // lhs_fmt.block_size)]
+        operands += [*even_odd(lhs.codes), scale_bits(lhs.scales)]
+        in_specs += [row_panel(k // 2)] * 2 + [row_panel(k // lhs_fmt.block_size)]
         if lhs_fmt.has_global_scale:
             gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
             operands.append(gs)

@@ -36,19 +36,23 @@ def _check(x: jax.Array, fmt: BlockFormat, guidance: Guidance | None) -> None:
             raise ValueError("fp4_quantize: guidance masks are not supported; use fp4.quantize")
 
 
+TILE_ELEMENTS = 2048
+
+
 def fp4_quantize(
     x: jax.Array,
     fmt: str | BlockFormat,
     *,
     guidance: Guidance | None = None,
     backend: str = "auto",
-    block_r: int = 16,
+    block_r: int | None = None,
     interpret: bool | None = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
 
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
-    The Pallas path needs N a power of two; otherwise the XLA reference runs.
+    The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
+    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows).
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -60,6 +64,10 @@ def fp4_quantize(
         return quantize_capture_reference(x, fmt, guidance=guidance)
     _last_backend[0] = "pallas"
 
+    if block_r is None:
+        # A program holds its whole tile in registers; 65536-element tiles (16 rows of 4096) took
+        # minutes to compile on the H200 and never finished a run, so tiles stay small.
+        block_r = max(1, min(16, TILE_ELEMENTS // n))
     lead = x.shape[:-1]
     rows = 1
     for d in lead:

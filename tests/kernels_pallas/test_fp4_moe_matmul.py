@@ -282,7 +282,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple of the block size"):
         pack_weights(jnp.ones((G, N, 40)), fp4.NVFP4)
     # Tiles that do not fit the operands.
-    with pytest.raises(ValueError, match="multiple of the mxfp4 block size"):
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 32"):
         run(lhs, rhs, gs, block_k=16)
     with pytest.raises(ValueError, match="block_n=64 must divide N=32"):
         run(lhs, rhs, gs, block_n=64)
