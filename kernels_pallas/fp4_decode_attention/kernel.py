@@ -18,14 +18,19 @@ at `lengths[b]`: slots at or past it (stale data, or past the end of the cache w
 multiple of the chunk) are never read, read as zeros, and get probability zero, so no padding copy
 of the cache is made.
 
-FP4 decode in the kernel: packed uint8 codes [block_s, Dh/2] -> (low, high) nibbles (elements 2i,
-2i + 1) -> E2M1 values by `trace_jax.fp4.numerics` (through `kernels_pallas.common`) -> interleaved
-to [block_s, Dh] -> times the block scales, decoded from their uint8 bits and broadcast over their
-block of Dh. `code * block_scale` is exact in bf16 as well as float32 (2 + 4 significant bits), so
-the dot runs in the query's dtype (bf16 tensor cores for a bf16 query; IEEE float32, not TF32,
-for a float32 one) with float32 accumulation. The NVFP4 per-row global scale is applied after the
-dot: to the scores of the K rows, and to the probabilities that weight the V rows (not to the
-softmax sum l).
+FP4 decode in the kernel (`decode_fp4_planes`): each packed byte's two nibbles become two E4M3
+bytes by a few bit operations (`common.fp4_planes_as_e4m3`: value * 2**-6, exact for all codes),
+converted by the hardware FP8 -> bf16 path and multiplied by the block scales, as two planes:
+even elements [block_s, Dh/2] and odd elements [block_s, Dh/2]. The kernel never interleaves
+them: the scores are q_even . k_even + q_odd . k_odd (the query is split outside), and the output
+planes p @ v_even, p @ v_odd are interleaved after the kernel; the 2**-6 is undone on the scores
+and on the output. `code * block_scale * 2**-6` is exact in bf16 (2 + 4 significant bits), so the
+dots run in the query's dtype (bf16 tensor cores for a bf16 query; IEEE float32, not TF32, for a
+float32 one) with float32 accumulation. The NVFP4 per-row global scale is applied after the dot:
+to the scores of the K rows, and to the probabilities that weight the V rows (not to the softmax
+sum l). Measured on the H200 (experiments/results/kernels_h200_partial.md): the previous
+compare/select decode with an interleave ran 4.0 ms at 128K (paper-like shape), this one 1.9 ms,
+still decode-bound (15-17% of read bandwidth) and slower than the bf16 twin.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
 (Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the cache would be stored

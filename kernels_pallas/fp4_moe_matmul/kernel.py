@@ -9,12 +9,13 @@ once. A row tile may straddle group boundaries, so the program loops over the gr
 its rows, `[first[i], end[i])` (from `tile_group_ranges`, a few XLA ops on `[T]` vectors outside
 the kernel; the Triton lowering has no scalar prefetch), and for each group:
   * skips it if it is empty (`lax.cond`);
-  * loops over K in `block_k` steps: loads the lhs tile with rows outside the group masked to zero
-    (this also keeps loads of a ragged last tile in bounds), decodes it (E2M1/E4M3 codes through
-    `trace_jax.fp4.numerics`, block scales from their uint8 bits) and scales it per block; loads the
-    expert's packed weight bytes `[block_n, block_k // 2]`, splits the nibbles, interleaves them
-    back into K order (`tt.join` + reshape), decodes E2M1 and applies the block scales; feeds both
-    as bfloat16 to `jnp.dot` with float32 accumulation (Hopper has no FP4 tensor cores);
+  * loops over K in `block_k` steps, contracting even and odd K columns separately (two dots):
+    the packed weight bytes `[block_n, block_k // 2]` decode to their even and odd planes without
+    an interleave (`common.fp4_planes_as_e4m3`: two bit operations per byte, then the hardware
+    FP8 -> bf16 convert, values * 2**-6, exact), times the block scales; the activations arrive
+    already split into even and odd columns (a copy outside the kernel), masked to the group's
+    rows, FP4/FP8 codes decoded the same way; bfloat16 dots with float32 accumulation (Hopper has
+    no FP4 tensor cores); the 2**-6 factors are undone after the K loop;
   * multiplies the group's float32 sum by the global scales (the expert's, and the per-row NVFP4
     activation scale) and selects it into the rows of that group.
 Rows past `sum(group_sizes)` belong to no group and stay 0; the store is masked to rows < M.
@@ -29,10 +30,11 @@ float32; only the NVFP4 global scales (arbitrary float32) are applied after the 
 float32 multiplications. The reference instead rounds `code * (block_scale * global_scale)` per
 element in float32, so the two agree to float32 summation error (see the tests' tolerance).
 
-GPU status: written for, but NOT run on, a GPU (no device time in this session). CPU tests run it
-in interpret mode and lower it to Triton IR for an abstract H200 (`jax.export`); Triton
-compilation to PTX, the numerics on device and the speed are unverified. JAX 0.11 marks the Pallas
-Triton backend deprecated in favour of Mosaic GPU.
+GPU status: runs on the H200 (experiments/results/kernels_h200_partial.md, relative error vs the
+reference 8e-7). Prefill (M = 32768, 128 experts) is 8.9x faster than bf16 `ragged_dot`; decode
+(M = 128) is 13x slower, because this (row tile, N tile) grid has only a few dozen programs then:
+a group-major grid is the planned fix. JAX 0.11 marks the Pallas Triton backend deprecated in
+favour of Mosaic GPU.
 
 A TPU (Mosaic) lowering would need: scalar prefetch (`PrefetchScalarGridSpec`) of a
 (row tile, group) visit list as in megablox's `gmm`, so index maps fetch only the visited expert's
