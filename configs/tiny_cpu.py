@@ -1,5 +1,6 @@
 r"""The `tiny` preset on the CPU: SFT warm start, then a short RL run (quickstart scale).
 
+python -m experiments.quickstart --config=configs/tiny_cpu.py --workdir=workdir/quickstart
 python -m experiments.sft --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny
 python -m experiments.sft --config=configs/tiny_cpu.py --config.sft.steps=50
 """
@@ -12,11 +13,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.model = ml_collections.ConfigDict({"preset": "tiny", "init_std": 0.02})
     c.tasks = ml_collections.ConfigDict(
-        {"levels": (1, 2), "kinds": ("arithmetic", "countdown", "program")}
+        {"levels": (1,), "kinds": ("arithmetic", "countdown", "program")}
     )
     c.sft = ml_collections.ConfigDict(
         {
-            "steps": 400,
+            "steps": 600,
             "batch_size": 32,
             "learning_rate": 3e-3,
             "warmup_steps": 20,
@@ -26,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     )
     c.eval = ml_collections.ConfigDict(
         {
-            "splits": ("aime24", "aime25", "hmmt25", "livecodebench"),
+            "splits": ("level1", "aime24", "aime25", "hmmt25", "livecodebench"),
             "problems_per_split": 48,
             "k": 1,
             "temperature": 0.0,

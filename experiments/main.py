@@ -45,9 +45,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def _problems(seed: int, step: int, n: int) -> list[tasks.Problem]:
-    """The step's training problems: a pure function of (seed, step), so resumes replay them."""
-    return list(itertools.islice(tasks.train_stream(seed * 1_000_003 + step), n))
+def _problems(cfg, step: int, n: int) -> list[tasks.Problem]:
+    """The step's training problems (kinds and levels from `cfg.tasks`): a pure function of
+    (seed, step), so resumes replay them."""
+    stream = tasks.train_stream(
+        cfg.seed * 1_000_003 + step, tasks=cfg.tasks.kinds, levels=cfg.tasks.levels
+    )
+    return list(itertools.islice(stream, n))
 
 
 def _checkpointer(workdir: str, every: int) -> ocp.CheckpointManager:
@@ -86,6 +90,12 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         stop_tokens=(tasks.EOS_ID,),
         pad_id=tasks.PAD_ID,
     )
+    # One prompt width for every step (the levels' cap), so the sampler compiles once.
+    prompt_width = 1 + max(
+        tasks.level_spec(t, lv).max_prompt_tokens
+        for t in cfg.tasks.kinds
+        for lv in cfg.tasks.levels
+    )
     ckpt = _checkpointer(workdir, rl.checkpoint_every)
     start = 0
     if ckpt.latest_step() is not None:
@@ -104,9 +114,9 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         for step in tqdm(
             range(start, rl.steps), desc=f"rl {rl.method}", initial=start, total=rl.steps
         ):
-            problems = _problems(cfg.seed, step, rl.prompts_per_step)
+            problems = _problems(cfg, step, rl.prompts_per_step)
             batch = [p for p in problems for _ in range(rl.group_size)]
-            prompts, lengths = tasks.encode_prompts(batch)
+            prompts, lengths = tasks.encode_prompts(batch, pad_to=prompt_width)
             t0 = time.perf_counter()
             gd, params = nnx.split(model)
             roll = generate(

@@ -19,7 +19,7 @@ def _fingerprint(problems):
 
 
 def test_names_sizes_and_content():
-    assert tasks.SPLIT_NAMES == ("aime24", "aime25", "hmmt25", "livecodebench")
+    assert tasks.SPLIT_NAMES == ("aime24", "aime25", "hmmt25", "livecodebench", "level1")
     all_splits = tasks.eval_splits()
     for name in tasks.SPLIT_NAMES:
         problems = all_splits[name]
@@ -51,6 +51,7 @@ PINNED = {
     "aime25": ("16-(1+10-13)*10=", "36"),
     "hmmt25": ("10-3*17+8*18-12=", "91"),
     "livecodebench": ("f=3;e=f+9;d=f-6;b=e+d;?b", "9"),
+    "level1": ("4+9*3=", "31"),
 }
 
 
@@ -95,7 +96,7 @@ def test_all_split_solutions_verify_and_wrong_answers_fail():
 
 def test_held_out_prompts_unique_and_disjoint_from_training():
     all_prompts = [p.prompt for v in tasks.eval_splits().values() for p in v]
-    assert len(set(all_prompts)) == len(all_prompts) == 4 * 96
+    assert len(set(all_prompts)) == len(all_prompts) == len(tasks.SPLIT_NAMES) * 96
     assert tasks.held_out_prompts() == frozenset(all_prompts)
     train = [p.prompt for p in itertools.islice(tasks.train_stream(0), N_TRAIN)]
     assert not set(train) & set(all_prompts)

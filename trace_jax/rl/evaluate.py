@@ -33,7 +33,11 @@ def evaluate_pass_at_1(
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     repeated = [p for p in problems for _ in range(k)]
-    prompts, lengths = tasks.encode_prompts(repeated)
+    longest = max(len(tasks.prompt_ids(p)) for p in repeated)
+    # Prompt widths bucketed to powers of two: the splits share a few compiled samplers.
+    prompts, lengths = tasks.encode_prompts(
+        repeated, pad_to=max(16, 1 << (longest - 1).bit_length())
+    )
     graphdef, params = nnx.split(model)
     sampling = SamplingConfig(
         max_new_tokens=max_new_tokens,

@@ -6,6 +6,10 @@
 | `aime25`        | AIME 2025      | 48 arithmetic + 48 countdown, level 3          |
 | `hmmt25`        | HMMT Feb 2025  | 48 arithmetic + 48 countdown, level 4          |
 | `livecodebench` | LiveCodeBench  | 32 programs each at levels 2, 3, 4             |
+| `level1`        | (none)         | 32 each of arithmetic, countdown, program, L1  |
+
+`level1` has no counterpart in the paper: it is the in-distribution check of the CPU quickstart,
+whose `tiny` model learns level 1 but not the harder splits.
 
 Splits are generated from fixed seeds, in this order, with every prompt unique across all of
 them; `train_stream` skips any held-out prompt, so training never sees a test problem.
@@ -56,6 +60,13 @@ SPLITS = {
             stands_for="LiveCodeBench",
             parts=tuple((TaskKind.PROGRAM, level, 32) for level in (2, 3, 4)),
             seed=5000,
+        ),
+        # Last, so adding it left the splits above unchanged.
+        SplitSpec(
+            name="level1",
+            stands_for="(in-distribution check, no paper counterpart)",
+            parts=tuple((task, 1, 32) for task in TaskKind),
+            seed=1,
         ),
     )
 }

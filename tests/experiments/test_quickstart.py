@@ -1,0 +1,47 @@
+"""The quickstart chains SFT -> RL -> evaluation and reports the scores the stages measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from configs import tiny_cpu
+from experiments import quickstart
+
+
+def _cfg():
+    cfg = tiny_cpu.get_config()
+    cfg.sft.update(steps=4, batch_size=4, log_every=2)
+    cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
+    cfg.rl.update(
+        steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=2,
+        checkpoint_every=1,
+    )  # fmt: skip
+    return cfg
+
+
+def test_quickstart_end_to_end(tmp_path):
+    cfg = _cfg()
+    rows = quickstart.run(cfg, str(tmp_path))
+    assert [r["split"] for r in rows] == ["level1", "aime24"]
+    data = json.loads((tmp_path / "quickstart.json").read_text())
+    rl_eval = json.loads((tmp_path / "rl" / "rl_eval.jsonl").read_text().splitlines()[-1])
+    sft_eval = json.loads((tmp_path / "sft" / "sft_eval.json").read_text())["rows"]
+    after = "after 2 RL steps (trace, nvfp4)"
+    for row, s in zip(data["rows"], sft_eval, strict=True):
+        assert row[after] == rl_eval[row["split"]]  # the numbers the stages measured
+        assert row["SFT pass@1 (bf16)"] == s["pass@1_bf16"]
+        assert 0.0 <= row[after] <= 1.0
+    assert [h["step"] for h in data["rl_history"]] == [0, 1]
+    assert (tmp_path / "quickstart.png").stat().st_size > 0
+    # A rerun reuses the SFT stage and the finished RL run.
+    again = quickstart.run(cfg, str(tmp_path))
+    assert again == rows
+
+
+def test_final_policy_must_be_evaluated(tmp_path):
+    cfg = _cfg()
+    cfg.rl.eval_every = 3
+    with pytest.raises(ValueError, match=r"multiple of rl\.eval_every"):
+        quickstart.run(cfg, str(tmp_path))
