@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from experiments import sft
+from trace_jax import tasks
 from trace_jax.rl.methods import FORMAT_PRESETS, METHODS, get_method
 
 CONFIGS = sorted(
@@ -24,5 +25,5 @@ def test_config_builds(name):
     assert cfg.rl.method in METHODS and cfg.rl.format in FORMAT_PRESETS
     get_method(cfg.rl.method).setup(cfg.rl.format, mcfg.n_layers)
     assert cfg.rl.prompts_per_step > 0 and cfg.rl.group_size > 1
-    assert set(cfg.eval.splits) <= {"aime24", "aime25", "hmmt25", "livecodebench"}
+    assert set(cfg.eval.splits) <= set(tasks.SPLIT_NAMES)
     assert sft.pad_length(cfg.tasks.levels) > 0

@@ -12,7 +12,7 @@ from experiments import quickstart
 
 def _cfg():
     cfg = tiny_cpu.get_config()
-    cfg.sft.update(steps=4, batch_size=4, log_every=2)
+    cfg.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
     cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
     cfg.rl.update(
         steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=2,
