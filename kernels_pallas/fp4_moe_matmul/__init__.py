@@ -11,11 +11,11 @@ Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Palla
 lowering; its docstring has the design, the numerics and what a TPU lowering would need), `api.py`
 (backend choice with fallback).
 
-Status: the Pallas kernel is tested on the CPU in interpret mode against the reference, and its
-Triton IR lowering for an abstract H200 is checked; it has NOT been compiled or run on a GPU. The
-"scaled_matmul" backend (native block-scaled FP4 on Blackwell, compute capability >= 10, via
-`jax.nn.scaled_matmul`) is not implemented: it raises NotImplementedError (see
-`api._run_scaled_matmul`) and was never run here (no Blackwell GPU); nothing about it is measured.
+Status: the Pallas kernel runs on the H200 (experiments/results/kernels_h200_partial.md) and in
+interpret mode in CI. The "scaled_matmul" backend (`scaled.py`: `jax.nn.scaled_matmul` over
+per-group row tiles, for native block-scaled FP4 on Blackwell) is tested on the CPU against the
+reference; it was never run on a Blackwell GPU (none available), so nothing about its speed is
+measured.
 """
 
 from kernels_pallas.fp4_moe_matmul.api import (

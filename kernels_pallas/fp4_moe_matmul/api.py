@@ -1,8 +1,9 @@
 """`fp4_moe_matmul`: picks a backend, falling back on NotImplementedError, the XLA reference last.
 
 Backends, in the order "auto" tries them:
-  * "scaled_matmul" (GPUs of compute capability >= 10 only): not implemented, it always raises
-    NotImplementedError (see `_run_scaled_matmul`); NOT run here (no Blackwell GPU).
+  * "scaled_matmul" (GPUs of compute capability >= 10, NVFP4 x NVFP4; and the CPU, where tests
+    run it): `jax.nn.scaled_matmul` over per-group row tiles (`scaled.py`); NOT run on a
+    Blackwell GPU here (none available), so its cuDNN lowering and speed are unverified.
   * "pallas": `kernel.fp4_moe_matmul_pallas`, Triton on a GPU, interpret mode elsewhere.
   * "xla": `reference.fp4_moe_matmul_reference`.
 "auto" off a GPU is the reference alone (`kernels_pallas.common.resolve_backend`). An explicitly
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import Backend, on_gpu, resolve_backend
+from kernels_pallas.fp4_moe_matmul import scaled
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
     check_tiling,
@@ -31,6 +33,7 @@ from kernels_pallas.fp4_moe_matmul.reference import (
     check_operands,
     fp4_moe_matmul_reference,
 )
+from trace_jax import fp4
 
 _DEFAULTS = BlockConfig()
 _MIN_BLOCK = 16
@@ -99,22 +102,31 @@ def block_config(
 
 
 def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
-    """Native block-scaled FP4 matmul through `jax.nn.scaled_matmul`: not implemented.
+    """Native block-scaled matmul through `jax.nn.scaled_matmul` (see `scaled.py`).
 
-    `jax.nn.scaled_matmul` is a dense batched `[B, M, K] x [B, N, K]` product (cuDNN on compute
-    capability >= 10 for MXFP8 x MXFP8 or NVFP4 x NVFP4 operands, with matching block sizes). A
-    ragged grouped product would need every group padded to a static capacity (up to G * M rows of
-    compute), and it has no bfloat16-activation or W4A8 (MXFP8 x FP4) form. Never run here.
+    Runs on the CPU (XLA's decomposition; how it is tested) and on GPUs of compute capability
+    >= 10 for NVFP4 x NVFP4; raises NotImplementedError elsewhere so that "auto" moves on.
     """
-    del lhs, rhs, group_sizes, tiling, interpret, out_dtype
-    if _compute_capability() < 10:
+    del interpret
+    if not isinstance(lhs, fp4.QTensor):
+        raise NotImplementedError("scaled_matmul backend needs block-scaled (QTensor) activations")
+    if lhs.fmt.block_size != rhs.fmt.block_size:
         raise NotImplementedError(
-            "scaled_matmul backend needs a GPU of compute capability >= 10 (Blackwell)"
+            f"scaled_matmul backend needs equal scale blocks, got {lhs.fmt.name} "
+            f"({lhs.fmt.block_size}) x {rhs.fmt.name} ({rhs.fmt.block_size})"
         )
-    raise NotImplementedError(
-        "scaled_matmul backend is not implemented: jax.nn.scaled_matmul is dense (batched, no "
-        "group_sizes) and needs matching NVFP4 x NVFP4 or MXFP8 x MXFP8 operands; use 'pallas'"
-    )
+    if on_gpu():
+        if _compute_capability() < 10:
+            raise NotImplementedError(
+                "scaled_matmul backend needs a GPU of compute capability >= 10 (Blackwell)"
+            )
+        if not scaled.supported_on_gpu(lhs, rhs):
+            raise NotImplementedError(
+                "cuDNN block-scaled matmul takes NVFP4 x NVFP4, got "
+                f"{lhs.fmt.name} x {rhs.fmt.name}"
+            )
+    tile = tiling.get("block_m") or scaled.default_tile(lhs.shape[0], rhs.shape[0])
+    return scaled.scaled_matmul_grouped(lhs, rhs, group_sizes, tile=tile, out_dtype=out_dtype)
 
 
 def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):

@@ -21,8 +21,21 @@ def _cfg():
     return cfg
 
 
-def test_quickstart_end_to_end(tmp_path):
+def test_quickstart_end_to_end(tmp_path, monkeypatch):
     cfg = _cfg()
+    # Distinct scores per stage and split (a tiny model scores 0 everywhere, which would let a
+    # table that mixes up its columns pass): the table must carry each stage's own numbers.
+    from experiments import main as rl_main
+    from experiments import sft
+
+    def fake_scores(offset):
+        def score(model, problems, key, **kw):
+            return offset + 0.01 * len(problems[0].prompt) + (0.001 if kw["mode"] != "off" else 0)
+
+        return score
+
+    monkeypatch.setattr(sft, "evaluate_pass_at_1", fake_scores(0.1))
+    monkeypatch.setattr(rl_main, "evaluate_pass_at_1", fake_scores(0.5))
     rows = quickstart.run(cfg, str(tmp_path))
     assert [r["split"] for r in rows] == ["level1", "aime24"]
     data = json.loads((tmp_path / "quickstart.json").read_text())
@@ -32,7 +45,8 @@ def test_quickstart_end_to_end(tmp_path):
     for row, s in zip(data["rows"], sft_eval, strict=True):
         assert row[after] == rl_eval[row["split"]]  # the numbers the stages measured
         assert row["SFT pass@1 (bf16)"] == s["pass@1_bf16"]
-        assert 0.0 <= row[after] <= 1.0
+        assert row["SFT pass@1 (NVFP4)"] == s["pass@1_nvfp4"] == s["pass@1_bf16"] + 0.001
+        assert 0.5 < row[after] < 1.0 and 0.1 < row["SFT pass@1 (bf16)"] < 0.5
     assert [h["step"] for h in data["rl_history"]] == [0, 1]
     assert (tmp_path / "quickstart.png").stat().st_size > 0
     # A rerun reuses the SFT stage and the finished RL run.

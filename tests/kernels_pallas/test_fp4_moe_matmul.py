@@ -38,6 +38,7 @@ from kernels_pallas.fp4_moe_matmul import (
     fp4_moe_matmul_reference,
     fp4_moe_matmul_with_backend,
     pack_weights,
+    scaled,
     tile_group_ranges,
 )
 from trace_jax import fp4
@@ -222,11 +223,50 @@ def test_auto_is_the_reference_off_gpu():
     assert_matches_reference(out, lhs, rhs, gs, exact=True)
 
 
-def test_scaled_matmul_is_not_implemented():
-    lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4)
+SAME_BLOCKS = [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP4), (fp4.MXFP4, fp4.MXFP8)]
+
+
+@pytest.mark.parametrize("tile", [None, 16, 64])
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), SAME_BLOCKS, ids=lambda f: f.name)
+def test_scaled_matmul_backend_matches_reference(w_fmt, a_fmt, tile):
+    """`jax.nn.scaled_matmul` over per-group row tiles (XLA's CPU decomposition here)."""
+    lhs, rhs = make_operands(w_fmt, a_fmt)
+    run = jax.jit(
+        lambda gs: fp4_moe_matmul(
+            lhs, rhs, gs, backend="scaled_matmul", block_m=tile, out_dtype=jnp.float32
+        )
+    )
+    for sizes in GROUP_SIZES.values():
+        gs = jnp.asarray(sizes, jnp.int32)
+        assert_matches_reference(run(gs), lhs, rhs, gs, exact=False)
+
+
+def test_scaled_matmul_unsupported_operands_raise():
     gs = jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32)
-    with pytest.raises(NotImplementedError, match="scaled_matmul"):
+    lhs, rhs = make_operands(fp4.NVFP4, None)
+    with pytest.raises(NotImplementedError, match="block-scaled"):
         fp4_moe_matmul(lhs, rhs, gs, backend="scaled_matmul")
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.MXFP8)
+    with pytest.raises(NotImplementedError, match="equal scale blocks"):
+        fp4_moe_matmul(lhs, rhs, gs, backend="scaled_matmul")
+
+
+def test_scaled_matmul_tile_plan_brute_force():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        m, tile, g = int(rng.integers(1, 70)), int(rng.choice([16, 32])), int(rng.integers(1, 6))
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)
+        sizes = sizes * rng.integers(0, 2, g)
+        rows, group = map(np.asarray, scaled.tile_plan(jnp.asarray(sizes, jnp.int32), m, tile))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        seen = {}
+        for b in range(rows.shape[0]):
+            for r in rows[b][rows[b] < m]:
+                assert r not in seen, "a row in two tiles"
+                seen[int(r)] = int(group[b])
+        # Every grouped row appears once, in a tile of its own group; no other row appears.
+        expected = {r: gi for gi in range(g) for r in range(starts[gi], starts[gi] + sizes[gi])}
+        assert seen == expected
 
 
 def test_auto_falls_back_when_pallas_cannot_tile(monkeypatch):
