@@ -12,6 +12,7 @@ without routing replay; `off` on a BF16 rollout is the reference pair.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import jax
@@ -21,8 +22,8 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments import results_io
-from trace_jax import fp4
+from experiments import results_io, sft
+from trace_jax import fp4, tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.quant.config import GUIDABLE_SITES
@@ -93,6 +94,13 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "init_std", 0.08, "initializer std of the random policy (larger: peakier distributions)"
     )
+    flags.DEFINE_string(
+        "checkpoint",
+        "",
+        "SFT checkpoint (experiments.sft's sft_checkpoint): a trained policy on "
+        "task prompts instead of a random one",
+    )
+    flags.DEFINE_list("task_levels", ["1"], "task levels of the prompts (with --checkpoint)")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
 
@@ -108,6 +116,8 @@ def run(
     max_new: int = 48,
     temperature: float = 1.0,
     init_std: float = 0.08,
+    checkpoint: str = "",
+    task_levels: tuple[int, ...] = (1,),
     outdir: str = results_io.RESULTS_DIR,
     name: str = "train_rollout_gap",
 ) -> list[dict]:
@@ -119,12 +129,28 @@ def run(
     key = jax.random.key(seed)
     k_prompt, k_len, k_sample = jax.random.split(key, 3)
     model = init_model(cfg, seed=seed)
-    graphdef, params = nnx.split(model)
-
     b, p = batch, prompt_len
-    prompts = jax.random.randint(k_prompt, (b, p), 1, cfg.vocab_size, jnp.int32)
-    prompt_lengths = jax.random.randint(k_len, (b,), max(1, p // 2), p + 1, jnp.int32)
-    sampling = SamplingConfig(max_new_tokens=max_new, temperature=temperature)
+    if checkpoint:
+        # A trained policy (e.g. the SFT warm start) on task prompts, stopping at EOS.
+        sft.load_params(model, checkpoint)
+        stream = tasks.train_stream(seed, levels=tuple(int(lv) for lv in task_levels))
+        problems = list(itertools.islice(stream, b))
+        prompts, prompt_lengths = map(jnp.asarray, tasks.encode_prompts(problems, pad_to=p))
+        sampling = SamplingConfig(
+            max_new_tokens=max_new,
+            temperature=temperature,
+            stop_tokens=(tasks.EOS_ID,),
+            pad_id=tasks.PAD_ID,
+        )
+        policy = (
+            f"trained policy `{checkpoint}`, task prompts (levels {list(task_levels)}, seed {seed})"
+        )
+    else:
+        prompts = jax.random.randint(k_prompt, (b, p), 1, cfg.vocab_size, jnp.int32)
+        prompt_lengths = jax.random.randint(k_len, (b,), max(1, p // 2), p + 1, jnp.int32)
+        sampling = SamplingConfig(max_new_tokens=max_new, temperature=temperature)
+        policy = f"random init (std {init_std}), prompts of {p // 2}-{p} random tokens"
+    graphdef, params = nnx.split(model)
     all_keys = qcfg.all_keys(cfg.n_layers)
     guided_keys = qcfg.guided_keys(cfg.n_layers)
 
@@ -245,10 +271,10 @@ def run(
                         }
                     )
     notes = (
-        f"Preset `{preset}` (random init, std {init_std}), recipe "
-        f"`{formats}`, guided layers {list(layers)} of {cfg.n_layers}, batch {b}, prompts "
-        f"of {p // 2}-{p} random tokens, {max_new} new tokens at temperature "
-        f"{temperature}. `code_mismatch`: fraction of the trainer's codes at the guided sites "
+        f"Preset `{preset}`, {policy}, recipe "
+        f"`{formats}`, guided layers {list(layers)} of {cfg.n_layers}, batch {b}, up to "
+        f"{max_new} new tokens at temperature {temperature}. "
+        "`code_mismatch`: fraction of the trainer's codes at the guided sites "
         "that differ from the rollout's (expert_mid compared on slots whose expert both sides "
         "used); `one_apart_fraction`: of those mismatches, the share one adjacent code apart. "
         "`kl`: KL(rollout || train) per response token, k3 estimator on the sampled tokens. "
@@ -306,6 +332,8 @@ def main(argv):
         max_new=f.max_new,
         temperature=f.temperature,
         init_std=f.init_std,
+        checkpoint=f.checkpoint,
+        task_levels=tuple(f.task_levels),
         outdir=f.outdir,
         name=f.name,
     )
