@@ -8,7 +8,8 @@ rollout recipe (FP4 W/A/KV for the FP4 methods) while capturing guidance, pass t
 the tensorstore guidance store (write async -> read back, version-checked), score the responses,
 and run the method's GRPO update. Writes to --workdir: `rl_metrics.jsonl` (reward, response
 length, train-rollout log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, time
-split into rollout / guidance I/O / training), `rl_eval.jsonl` (pass@1 per split), `rl_curves.png`,
+split into rollout / guidance I/O / training), `rl_eval.jsonl` (pass@1 per split), TensorBoard
+scalars of both under `tensorboard/`, `rl_curves.png`,
 orbax checkpoints `rl_checkpoints/` (resume: rerun the same command).
 """
 
@@ -31,6 +32,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import sft
+from experiments.metrics_log import MetricsLog
 from trace_jax import tasks
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import init_model
@@ -108,9 +110,8 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     store = GuidanceStore(GuidanceStoreConfig(kvstore=os.path.join(workdir, "guidance")))
     run_id = f"{rl.method}_{rl.format}"
     key = jax.random.key(cfg.seed)
-    mode = "a" if start else "w"
     history = []
-    with open(os.path.join(workdir, "rl_metrics.jsonl"), mode) as log, store:
+    with MetricsLog(workdir, "rl_metrics", append=bool(start)) as log, store:
         for step in tqdm(
             range(start, rl.steps), desc=f"rl {rl.method}", initial=start, total=rl.steps
         ):
@@ -161,19 +162,15 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 raise FloatingPointError(f"loss is {m['loss']} at step {step}")
             if setup.capture:
                 store.gc(run_id, step)
-            history.append(
-                {
-                    "step": step,
-                    "reward": float(np.mean(rewards)),
-                    "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
-                    **m,
-                    "time_rollout_s": t1 - t0,
-                    "time_guidance_io_s": t2 - t1,
-                    "time_train_s": t3 - t2,
-                }
-            )
-            log.write(json.dumps(history[-1]) + "\n")
-            log.flush()
+            row = {
+                "reward": float(np.mean(rewards)),
+                "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
+                **m,
+                "time_rollout_s": t1 - t0,
+                "time_guidance_io_s": t2 - t1,
+                "time_train_s": t3 - t2,
+            }
+            history.append(log.write(step, row))
             ckpt.save(
                 step,
                 args=ocp.args.StandardSave(
@@ -190,7 +187,7 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
 
 
 def _evaluate(model, cfg, setup, step, workdir) -> None:
-    row = {"step": step}
+    row = {}
     for name in cfg.eval.splits:
         problems = tasks.eval_split(name)[: cfg.eval.problems_per_split]
         row[name] = evaluate_pass_at_1(
@@ -203,8 +200,8 @@ def _evaluate(model, cfg, setup, step, workdir) -> None:
             qcfg=setup.rollout_qcfg,
             mode=setup.rollout_mode,
         )
-    with open(os.path.join(workdir, "rl_eval.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    with MetricsLog(workdir, "rl_eval", append=True) as log:
+        row = log.write(step, row)
     logging.info("eval %s", row)
 
 

@@ -3,7 +3,8 @@ r"""Supervised warm start on worked solutions, then pass@1 on the held-out split
   python -m experiments.sft --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny
   python -m experiments.sft --config=configs/tiny_cpu.py --config.sft.steps=50 --workdir=/tmp/t
 
-Writes to --workdir: `sft_metrics.jsonl` (one line per logged step), `sft_eval.json` and
+Writes to --workdir: `sft_metrics.jsonl` (one line per logged step; TensorBoard scalars under
+`tensorboard/`), `sft_eval.json` and
 `sft_eval.md` (pass@1 per split, bf16 and NVFP4 execution), `sft_loss.png`, and the orbax
 checkpoint `sft_checkpoint/` (the model's `nnx.Param` state).
 """
@@ -11,7 +12,6 @@ checkpoint `sft_checkpoint/` (the model's `nnx.Param` state).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import jax
@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import results_io
+from experiments.metrics_log import MetricsLog
 from trace_jax import tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -109,7 +110,7 @@ def run(cfg, workdir: str) -> list[dict]:
     if pad_to > 4096:
         raise ValueError(f"SFT rows of {pad_to} tokens are too long")
     history = []
-    with open(os.path.join(workdir, "sft_metrics.jsonl"), "w") as log:
+    with MetricsLog(workdir, "sft_metrics") as log:
         bar = tqdm(range(cfg.sft.steps), desc="sft")
         for step in bar:
             batch = tasks.encode_sft_batch(
@@ -126,8 +127,7 @@ def run(cfg, workdir: str) -> list[dict]:
                 m = {k: float(v) for k, v in metrics.items()}
                 if not np.isfinite(m["loss"]):
                     raise FloatingPointError(f"SFT loss is {m['loss']} at step {step}")
-                history.append({"step": step, **m})
-                log.write(json.dumps(history[-1]) + "\n")
+                history.append(log.write(step, m))
                 bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
     save_params(model, os.path.join(workdir, "sft_checkpoint"))
     rows = evaluate(model, cfg, jax.random.key(cfg.seed + 1))
