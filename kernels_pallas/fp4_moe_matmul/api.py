@@ -82,6 +82,7 @@ def block_config(
     block_k: int | None = None,
     num_warps: int = _DEFAULTS.num_warps,
     num_stages: int = _DEFAULTS.num_stages,
+    grid: str = _DEFAULTS.grid,
 ) -> BlockConfig:
     """The Pallas tiling for these operands: given blocks are checked (ValueError), missing ones
     default to 64 and shrink to fit (block_m to M, block_n to divide N, block_k to divide K)."""
@@ -96,6 +97,7 @@ def block_config(
         block_k=_pick_block(block_k, _DEFAULTS.block_k, k, max(fmt_blocks), "block_k"),
         num_warps=num_warps,
         num_stages=num_stages,
+        grid=grid,
     )
     check_tiling(config, lhs, rhs)
     return config
@@ -175,6 +177,7 @@ def fp4_moe_matmul_with_backend(
     block_k: int | None = None,
     num_warps: int = _DEFAULTS.num_warps,
     num_stages: int = _DEFAULTS.num_stages,
+    grid: str = _DEFAULTS.grid,
     interpret: bool | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> tuple[jax.Array, MoEBackend]:
@@ -187,6 +190,7 @@ def fp4_moe_matmul_with_backend(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        grid=grid,
     )
     for i, name in enumerate(order):
         try:
@@ -212,6 +216,7 @@ def fp4_moe_matmul(
     block_k: int | None = None,
     num_warps: int = _DEFAULTS.num_warps,
     num_stages: int = _DEFAULTS.num_stages,
+    grid: str = _DEFAULTS.grid,
     interpret: bool | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
@@ -226,6 +231,7 @@ def fp4_moe_matmul(
       block_m, block_n, block_k: Pallas tiles (powers of two >= 16). None: 64, shrunk to fit M,
         to divide N, and to divide K while staying a multiple of the formats' block sizes.
       num_warps, num_stages: Triton launch parameters.
+      grid: Pallas program order, "row_tiles" or "groups" (see `kernel.GRID_ORDERS`).
       interpret: Pallas interpret mode; None: on unless running on a GPU.
       out_dtype: output dtype; every backend accumulates in float32.
 
@@ -241,6 +247,7 @@ def fp4_moe_matmul(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        grid=grid,
         interpret=interpret,
         out_dtype=out_dtype,
     )

@@ -69,6 +69,12 @@ from trace_jax import fp4
 
 _MIN_DOT_DIM = 16  # Triton's smallest tensor-core tile edge for bfloat16 `tl.dot`.
 
+# "row_tiles": grid (cdiv(M, block_m), N / block_n), a row tile loops over the groups it touches
+# (measured on the H200: fast at prefill, slow at decode, where it makes only a few dozen programs).
+# "groups": grid (G, N / block_n), a program loops over its group's row tiles, so decode with many
+# experts gets G x N / block_n programs; written after that measurement, NOT yet run on a GPU.
+GRID_ORDERS = ("row_tiles", "groups")
+
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
@@ -83,8 +89,11 @@ class BlockConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    grid: str = "row_tiles"
 
     def __post_init__(self):
+        if self.grid not in GRID_ORDERS:
+            raise ValueError(f"grid must be one of {GRID_ORDERS}, got {self.grid!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             least = 2 * _MIN_DOT_DIM if name == "block_k" else _MIN_DOT_DIM  # K: two planes
@@ -164,9 +173,12 @@ def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
     return jnp.broadcast_to(s[:, :, None], (r, nb, block)).reshape(r, nb * block)
 
 
-def _lhs_planes(lhs_refs, k0, in_group, st: _Statics) -> tuple[jax.Array, jax.Array]:
+def _lhs_planes(
+    lhs_refs, k0, in_group, st: _Statics, rows=slice(None)
+) -> tuple[jax.Array, jax.Array]:
     """Even and odd K columns of the activations at K offset k0, bfloat16 `[block_m, block_k/2]`
-    each, times 2**-6 for FP4 activations; rows outside the group are 0.
+    each, times 2**-6 for FP4 activations; rows outside the group are 0. `rows` picks the row
+    tile inside the refs (all of a row-panel block; a `pl.ds` of the whole array).
 
     lhs_refs hold the even and odd columns as separate arrays (split outside the kernel: a copy
     of the activations, small next to the weights), then scale bits and the NVFP4 row scale.
@@ -175,16 +187,17 @@ def _lhs_planes(lhs_refs, k0, in_group, st: _Statics) -> tuple[jax.Array, jax.Ar
     mask = jnp.broadcast_to(in_group[:, None], (bm, half))
     cols = pl.ds(pl.multiple_of(k0 // 2, half), half)
     if st.lhs_fmt is None:
-        return tuple(plgpu.load(r.at[:, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
+        return tuple(plgpu.load(r.at[rows, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
     fmt = st.lhs_fmt
     nb = st.block_k // fmt.block_size
     s_mask = jnp.broadcast_to(in_group[:, None], (bm, nb))
-    sbits = plgpu.load(lhs_refs[2].at[:, pl.ds(k0 // fmt.block_size, nb)], mask=s_mask, other=0)
+    sbit_cols = pl.ds(k0 // fmt.block_size, nb)
+    sbits = plgpu.load(lhs_refs[2].at[rows, sbit_cols], mask=s_mask, other=0)
     # Per plane, a scale block covers block_size / 2 consecutive columns.
     scales = _expand_blocks(decode_scale_bits(sbits, fmt).astype(jnp.bfloat16), fmt.block_size // 2)
     planes = []
     for r in lhs_refs[:2]:
-        codes = plgpu.load(r.at[:, cols], mask=mask, other=0)
+        codes = plgpu.load(r.at[rows, cols], mask=mask, other=0)
         # FP4 codes -> E4M3 bits (value * 2**-6); FP8 codes are E4M3 already.
         f8 = e2m1_codes_as_e4m3(codes) if fmt.is_fp4 else as_e4m3(codes)
         planes.append(f8.astype(jnp.bfloat16) * scales)
@@ -248,6 +261,42 @@ def _kernel(*refs, st: _Statics):
     plgpu.store(out_ref, acc.astype(st.out_dtype), mask=out_mask)
 
 
+def _group_major_kernel(*refs, st: _Statics):
+    """Program (g, j): every row tile of group g x output columns j (see GRID_ORDERS)."""
+    bounds_ref = refs[0]
+    lhs_refs = refs[1 : 1 + st.num_lhs_refs]
+    w_refs = refs[1 + st.num_lhs_refs : -2]
+    out_ref = refs[-1]  # aliased to a zero buffer (refs[-2]): rows of no group stay 0
+    bm, bn = st.block_m, st.block_n
+    g = pl.program_id(0)
+    lo = bounds_ref[g]
+    hi = bounds_ref[g + 1]
+
+    def tile_step(t, carry):
+        row0 = lo + t * bm
+        rows = pl.ds(row0, bm)
+        in_group = row0 + jnp.arange(bm, dtype=jnp.int32) < hi
+
+        def k_step(kk, acc):
+            k0 = pl.multiple_of(kk * st.block_k, st.block_k)
+            a_even, a_odd = _lhs_planes(lhs_refs, k0, in_group, st, rows)
+            w_even, w_odd = _weight_planes(w_refs, g, k0, st)
+            acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
+        acc = acc * st.unscale
+        if st.w_fmt.has_global_scale:
+            acc = acc * w_refs[2][g]
+        if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
+            acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_group, other=1.0)[:, None]
+        mask = jnp.broadcast_to(in_group[:, None], (bm, bn))
+        plgpu.store(out_ref.at[rows, :], acc.astype(st.out_dtype), mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(hi - lo, bm), tile_step, 0)
+
+
 def fp4_moe_matmul_pallas(
     lhs: Lhs,
     rhs: PackedFP4Weights,
@@ -280,6 +329,8 @@ def fp4_moe_matmul_pallas(
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
+    if config.grid == "groups":
+        return _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype)
     m, k = lhs.shape
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
@@ -329,3 +380,61 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
         interpret=interpret,
         name="fp4_moe_matmul",
     )(*operands)
+
+
+def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
+    """The (G, N / block_n) grid: one program per group and output column tile."""
+    m, k = lhs.shape
+    g, n, _ = rhs.shape
+    bm, bn = config.block_m, config.block_n
+    lhs_fmt = lhs_format(lhs)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype)
+    # block_m rows of padding: a row tile starting near M stays inside the arrays (interpret
+    # mode clamps out-of-range windows instead of masking them).
+    mp = m + bm
+
+    def whole(*shape):
+        return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+
+    def rows_padded(a):
+        return jnp.pad(a, ((0, mp - m),) + ((0, 0),) * (a.ndim - 1))
+
+    def even_odd(a):  # [M, K] -> its even and odd columns, [Mp, K / 2] each (zero padded)
+        pairs = a.reshape(m, k // 2, 2)
+        return [rows_padded(pairs[..., 0]), rows_padded(pairs[..., 1])]
+
+    bounds, _, _ = tile_group_ranges(group_sizes, m, bm)
+    operands, in_specs = [bounds], [whole(g + 1)]
+    if lhs_fmt is None:
+        operands += even_odd(lhs)
+        in_specs += [whole(mp, k // 2)] * 2
+    else:
+        operands += [*even_odd(lhs.codes), rows_padded(scale_bits(lhs.scales))]
+        in_specs += [whole(mp, k // 2)] * 2 + [whole(mp, k // lhs_fmt.block_size)]
+        if lhs_fmt.has_global_scale:
+            gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
+            operands.append(rows_padded(gs))
+            in_specs.append(whole(mp))
+    operands += [rhs.codes, scale_bits(rhs.scales)]
+    in_specs += [
+        pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
+        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda i, j: (0, j, 0)),
+    ]
+    if rhs.fmt.has_global_scale:
+        operands.append(rhs.global_scale.reshape(g))
+        in_specs.append(whole(g))
+    column_panel = pl.BlockSpec((mp, bn), lambda i, j: (0, j))
+    operands.append(jnp.zeros((mp, n), out_dtype))
+    in_specs.append(column_panel)
+    out = pl.pallas_call(
+        functools.partial(_group_major_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
+        grid=(g, n // bn),
+        in_specs=in_specs,
+        out_specs=column_panel,
+        input_output_aliases={len(operands) - 1: 0},
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="fp4_moe_matmul_group_major",
+    )(*operands)
+    return out[:m]

@@ -173,16 +173,30 @@ class TestPallasInterpret(_Cases):
         np.testing.assert_allclose(np.delete(out, 5, 1), np.delete(ref, 5, 1), rtol=0, atol=1e-4)
 
 
+class TestPallasInterpretGroupMajor(TestPallasInterpret):
+    """The same cases on the (G, N / block_n) grid."""
+
+    tiling: ClassVar[dict] = dict(block_m=16, block_n=16, block_k=32, grid="groups", interpret=True)
+
+    def test_default_tiles(self):
+        lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4, seed=1)
+        gs = jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32)
+        tiling = self.tiling | {"block_m": None}  # default block_m (64 > every group here)
+        out = fp4_moe_matmul(lhs, rhs, gs, backend="pallas", out_dtype=jnp.float32, **tiling)
+        assert_matches_reference(out, lhs, rhs, gs, exact=False)
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("grid", ["row_tiles", "groups"])
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)])
-def test_lowers_to_triton_for_h200(w_fmt, a_fmt):
+def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid):
     """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
     from jax.experimental.pallas import triton as plgpu
 
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
     f = functools.partial(
-        fp4_moe_matmul_pallas, config=BlockConfig(block_m=16, block_n=16, block_k=32)
+        fp4_moe_matmul_pallas, config=BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid)
     )
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
