@@ -289,7 +289,10 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
             "batch": b,
             "bf16_ms": 1e3 * t_bf16,
         }
+        logging.info("decode step @%d: bf16 %.3f ms", ctx, 1e3 * t_bf16)
         for kb in ("xla", "pallas"):
+            # Logged one by one: the first H200 run spent minutes here without finishing a row.
+            logging.info("decode step @%d: filling the %s FP4 cache", ctx, kb)
             cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11)
             variants = [("no capture", False, False), ("compact", True, False)]
             variants += [("full", True, True)]
@@ -300,6 +303,7 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
                     tokens,
                 )
                 row[f"fp4_{kb}_{label}_ms"] = 1e3 * t
+                logging.info("decode step @%d: fp4 %s %s %.3f ms", ctx, kb, label, 1e3 * t)
             base = row[f"fp4_{kb}_no capture_ms"]
             row[f"fp4_{kb}_speedup_vs_bf16"] = t_bf16 * 1e3 / base
         base = row["fp4_pallas_no capture_ms"]
