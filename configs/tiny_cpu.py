@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
         {
             "method": "trace",  # bf16 | fp4_qat | qarl | quads | trace | trace_full
             "format": "nvfp4",  # nvfp4 | mxfp4_w4a4 | mxfp4_w4a8
+            "guided_layers": "",  # "" = the method's own; all | half | quarter | eighth | "0,3"
             "init_from": "",  # an SFT checkpoint directory ("" = random init)
             "steps": 20,
             "prompts_per_step": 8,

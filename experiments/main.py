@@ -39,7 +39,7 @@ from trace_jax.models import init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
-from trace_jax.rl.methods import get_method
+from trace_jax.rl.methods import get_method, layers_from_spec
 from trace_jax.rl.step import grpo_step, old_logprobs
 from trace_jax.rollout import SamplingConfig, generate
 
@@ -74,7 +74,8 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     model = init_model(mcfg, seed=cfg.seed)
     if rl.init_from:
         sft.load_params(model, rl.init_from)
-    setup = get_method(rl.method).setup(rl.format, mcfg.n_layers)
+    layers = layers_from_spec(rl.guided_layers, mcfg.n_layers) if rl.guided_layers else None
+    setup = get_method(rl.method).setup(rl.format, mcfg.n_layers, guided_layers=layers)
     grpo = GRPOConfig(
         group_size=rl.group_size,
         learning_rate=rl.learning_rate,

@@ -27,6 +27,7 @@ from trace_jax import fp4, tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.quant.config import GUIDABLE_SITES
+from trace_jax.rl.methods import layers_from_spec
 from trace_jax.rollout import SamplingConfig, generate
 from trace_jax.train import train_forward
 
@@ -35,16 +36,11 @@ import matplotlib.pyplot as plt
 
 
 def guided_layers(spec: str, n_layers: int) -> tuple[int, ...]:
-    """Layers from a flag value: half / quarter / eighth (the deepest fraction), all, or a list."""
-    fractions = {"all": 1, "half": 2, "quarter": 4, "eighth": 8}
-    if spec in fractions:
-        n = max(1, n_layers // fractions[spec])
-        return tuple(range(n_layers - n, n_layers))
+    """`--guidance_layers` (see `trace_jax.rl.methods.layers_from_spec`), as a usage error."""
     try:
-        layers = tuple(int(s) for s in spec.split(","))
-    except ValueError:
-        raise app.UsageError(f"--guidance_layers: bad value {spec!r}") from None
-    return layers
+        return layers_from_spec(spec, n_layers)
+    except ValueError as e:
+        raise app.UsageError(f"--guidance_layers: {e}") from None
 
 
 def recipe(name: str, layers: tuple[int, ...]) -> QuantConfig:

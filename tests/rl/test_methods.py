@@ -123,3 +123,18 @@ def test_bad_names_and_methods_raise():
         Method(**common, trainer_mode="rtn", loss="ppo_clip", trainer_overrides=(("w", None),))
     with pytest.raises(ValueError, match="not GUIDED"):
         Method(name="x", description="", rollout_mode="guided", trainer_mode="rtn", loss="tbpo")
+
+
+def test_layers_from_spec():
+    from trace_jax.rl.methods import layers_from_spec
+
+    assert layers_from_spec("all", 8) == tuple(range(8))
+    assert layers_from_spec("half", 8) == (4, 5, 6, 7)
+    assert layers_from_spec("quarter", 8) == (6, 7)
+    assert layers_from_spec("eighth", 8) == (7,)
+    assert layers_from_spec("eighth", 4) == (3,)  # at least one layer
+    assert layers_from_spec("0,3", 4) == (0, 3)
+    with pytest.raises(ValueError, match="out of range"):
+        layers_from_spec("0,4", 4)
+    with pytest.raises(ValueError, match="comma list"):
+        layers_from_spec("deep", 4)

@@ -53,6 +53,27 @@ def deeper_layers(n_layers: int, fraction: float) -> tuple[int, ...]:
     return tuple(range(min(start, n_layers - 1), n_layers))
 
 
+LAYER_FRACTIONS = {"all": 1.0, "half": 0.5, "quarter": 0.25, "eighth": 0.125}
+
+
+def layers_from_spec(spec: str, n_layers: int) -> tuple[int, ...]:
+    """Guided layers from a flag/config value: "all" | "half" | "quarter" | "eighth" (the
+    deepest fraction, as `deeper_layers`) or a comma-separated list of layer indices."""
+    if spec in LAYER_FRACTIONS:
+        return deeper_layers(n_layers, LAYER_FRACTIONS[spec])
+    try:
+        layers = tuple(int(s) for s in spec.split(","))
+    except ValueError:
+        raise ValueError(
+            f"guided layers must be one of {sorted(LAYER_FRACTIONS)} or a comma list of ints, "
+            f"got {spec!r}"
+        ) from None
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"guided layers {bad} out of range for a {n_layers}-layer model")
+    return layers
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MethodSetup:
     """One method resolved for an FP4 recipe and a model depth.
