@@ -16,7 +16,7 @@ import os
 import time
 
 import matplotlib
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import main as rl_main
@@ -24,17 +24,6 @@ from experiments import results_io, sft
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-
-
-def _sft_stage(cfg, workdir: str) -> tuple[list[dict], float]:
-    """SFT rows (pass@1 per split) and the seconds spent; reuses a finished stage."""
-    results = os.path.join(workdir, "sft_eval.json")
-    if os.path.exists(os.path.join(workdir, "sft_checkpoint")) and os.path.exists(results):
-        logging.info("SFT stage found in %s; reusing it", workdir)
-        return json.load(open(results))["rows"], 0.0
-    t0 = time.perf_counter()
-    rows = sft.run(cfg, workdir)
-    return rows, time.perf_counter() - t0
 
 
 def _final_rl_eval(workdir: str) -> dict:
@@ -52,7 +41,7 @@ def run(cfg, workdir: str) -> list[dict]:
             "so that the final policy is evaluated"
         )
     sft_dir, rl_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "rl")
-    sft_rows, sft_s = _sft_stage(cfg, sft_dir)
+    sft_rows, sft_s = sft.run_or_reuse(cfg, sft_dir)
     rl_cfg = cfg.copy_and_resolve_references()
     rl_cfg.rl.init_from = os.path.join(sft_dir, "sft_checkpoint")
     t0 = time.perf_counter()

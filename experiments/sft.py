@@ -12,7 +12,9 @@ checkpoint `sft_checkpoint/` (the model's `nnx.Param` state).
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +154,17 @@ def run(cfg, workdir: str) -> list[dict]:
     plt.close(fig)
     print(table)
     return rows
+
+
+def run_or_reuse(cfg, workdir: str) -> tuple[list[dict], float]:
+    """`run`, unless `workdir` already holds a finished SFT stage: (eval rows, seconds spent)."""
+    results = os.path.join(workdir, "sft_eval.json")
+    if os.path.exists(os.path.join(workdir, "sft_checkpoint")) and os.path.exists(results):
+        logging.info("SFT stage found in %s; reusing it", workdir)
+        return json.load(open(results))["rows"], 0.0
+    t0 = time.perf_counter()
+    rows = run(cfg, workdir)
+    return rows, time.perf_counter() - t0
 
 
 def main(argv):

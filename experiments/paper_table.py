@@ -1,0 +1,197 @@
+r"""One paper-table analog: every (run, seed) of a table config, resumable, then mean +- std.
+
+  python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=workdir/table1
+  python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=workdir/table1 \
+      --deadline_s=480        # stop starting new chunks after 8 min; rerun to continue
+
+A table config is an experiment config (see `configs/small_gpu.py`) plus `table`: `name`, `title`,
+`seeds`, and `runs`, a list of (label, overrides) where overrides set `rl.*` fields (method,
+format, guided_layers). The driver
+  1. runs the SFT warm start once (`<workdir>/sft`, reused when present);
+  2. runs GRPO for every run and seed from that checkpoint (`<workdir>/<label>/seed<k>`, in chunks
+     of `--chunk_steps`; each chunk resumes from the last orbax checkpoint, so a stopped driver
+     continues where it was);
+  3. when every run is finished, reads each run's final evaluation and writes
+     `<outdir>/<name>.{md,json,png}`: pass@1 per split (mean +- std over seeds), the average over
+     the benchmark splits, and curves of reward, train-rollout gap and test score.
+Nothing is aggregated from unfinished runs: an incomplete table says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import matplotlib
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import main as rl_main
+from experiments import results_io, sft
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
+
+
+def run_dir(workdir: str, label: str, seed: int) -> str:
+    return os.path.join(workdir, label, f"seed{seed}")
+
+
+def run_config(cfg, label: str, overrides: dict, seed: int, sft_checkpoint: str):
+    """The experiment config of one (run, seed)."""
+    c = cfg.copy_and_resolve_references()
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if section != "rl" or field not in c.rl:
+            raise ValueError(f"table run {label!r}: unknown override {key!r} (rl.<field> only)")
+        c.rl[field] = value
+    c.seed = seed
+    c.rl.init_from = sft_checkpoint
+    return c
+
+
+def _jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path).read().splitlines() if line.strip()]
+
+
+def steps_done(directory: str) -> int:
+    return len({r["step"] for r in _jsonl(os.path.join(directory, "rl_metrics.jsonl"))})
+
+
+def final_eval(directory: str, steps: int) -> dict | None:
+    """The evaluation of the finished policy (at step steps - 1), or None."""
+    rows = [r for r in _jsonl(os.path.join(directory, "rl_eval.jsonl")) if r["step"] == steps - 1]
+    return rows[-1] if rows else None
+
+
+def train(cfg, workdir: str, *, chunk_steps: int, deadline_s: float | None) -> bool:
+    """Advances every (run, seed); returns True when all are finished."""
+    t0 = time.perf_counter()
+    sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
+    checkpoint = os.path.join(workdir, "sft", "sft_checkpoint")
+    for label, overrides in cfg.table.runs:
+        for seed in cfg.table.seeds:
+            c = run_config(cfg, label, dict(overrides), seed, checkpoint)
+            d = run_dir(workdir, label, seed)
+            while steps_done(d) < c.rl.steps:
+                if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                    logging.info("deadline reached; rerun to continue")
+                    return False
+                logging.info("%s seed %d: from step %d", label, seed, steps_done(d))
+                rl_main.run(c, d, stop_after=chunk_steps)
+    return True
+
+
+def aggregate(cfg, workdir: str) -> list[dict]:
+    """One row per run: pass@1 mean and std over seeds per split, and the benchmark average."""
+    splits = list(cfg.eval.splits)
+    bench = [s for s in splits if s in BENCHMARK_SPLITS]
+    rows = []
+    for label, overrides in cfg.table.runs:
+        finals = []
+        for seed in cfg.table.seeds:
+            ev = final_eval(run_dir(workdir, label, seed), cfg.rl.steps)
+            if ev is None:
+                raise RuntimeError(f"{label} seed {seed} has no final evaluation")
+            finals.append(ev)
+        row = {"run": label, **{k: str(v) for k, v in dict(overrides).items()}}
+        for s in splits:
+            vals = np.asarray([f[s] for f in finals], np.float64)
+            row[s] = float(vals.mean())
+            row[f"{s}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else float("nan")
+        avg = np.asarray([np.mean([f[s] for s in bench]) for f in finals], np.float64)
+        row["average"] = float(avg.mean())
+        row["average_std"] = float(avg.std(ddof=1)) if len(avg) > 1 else float("nan")
+        row["seeds"] = len(finals)
+        rows.append(row)
+    return rows
+
+
+def _plot(cfg, workdir: str, path: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for label, _ in cfg.table.runs:
+        dirs = [run_dir(workdir, label, s) for s in cfg.table.seeds]
+        metrics = [_jsonl(os.path.join(d, "rl_metrics.jsonl")) for d in dirs]
+        for ax, key in zip(axes[:2], ("reward", "train_rollout_gap_mean"), strict=True):
+            steps = [r["step"] for r in metrics[0]]
+            vals = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], axis=0)
+            ax.plot(steps, vals, label=label)
+        evals = [_jsonl(os.path.join(d, "rl_eval.jsonl")) for d in dirs]
+        bench = [s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]
+        steps = [r["step"] for r in evals[0]]
+        score = np.mean(
+            [[np.mean([r[s] for s in bench]) for r in e[: len(steps)]] for e in evals], 0
+        )
+        axes[2].plot(steps, score, "o-", label=label)
+    for ax, title in zip(
+        axes,
+        ("mean reward", "mean |logp train - rollout|", "test pass@1 (benchmark avg)"),
+        strict=True,
+    ):
+        ax.set(xlabel="RL step", title=title + f" (mean of {len(cfg.table.seeds)} seeds)")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(
+    cfg, workdir: str, *, outdir: str, chunk_steps: int = 25, deadline_s: float | None = None
+) -> list[dict] | None:
+    """Trains what is missing; writes and returns the table once every run is finished."""
+    if cfg.rl.steps % cfg.rl.eval_every:
+        raise ValueError(
+            f"rl.steps={cfg.rl.steps} must be a multiple of rl.eval_every={cfg.rl.eval_every}"
+        )
+    if not train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s):
+        return None
+    rows = aggregate(cfg, workdir)
+    name = cfg.table.name
+    cols = ["run", "average", "average_std"]
+    cols += [c for s in cfg.eval.splits for c in (s, f"{s}_std")] + ["seeds"]
+    table = results_io.markdown_table(rows, cols, fmt=".3f")
+    notes = (
+        f"{cfg.table.title}. Model `{cfg.model.preset}`, SFT warm start {cfg.sft.steps} steps, "
+        f"{cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} "
+        f"samples; pass@1 averaged over k = {cfg.eval.k} samples at temperature "
+        f"{cfg.eval.temperature}, {cfg.eval.problems_per_split} problems per split; mean and "
+        f"sample std over seeds {list(cfg.table.seeds)}. `average`: mean over "
+        f"{[s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]}.\n\n![curves]({name}.png)"
+    )
+    results_io.write_results(
+        name, rows, title=cfg.table.title, table=table, notes=notes, outdir=outdir
+    )
+    _plot(cfg, workdir, os.path.join(outdir, f"{name}.png"))
+    print(table)
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    rows = run(
+        f.config,
+        f.workdir,
+        outdir=f.outdir,
+        chunk_steps=f.chunk_steps,
+        deadline_s=f.deadline_s if f.deadline_s > 0 else None,
+    )
+    if rows is None:
+        print("table incomplete: rerun the same command to continue")
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", None, "table config file", lock_config=True)
+    flags.DEFINE_string("workdir", "workdir/table", "runs, checkpoints, guidance stores")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
+    flags.DEFINE_integer("chunk_steps", 25, "GRPO steps per resumable chunk")
+    flags.DEFINE_float("deadline_s", 0, "stop starting chunks after this many seconds (0: none)")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

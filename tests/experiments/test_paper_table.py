@@ -1,0 +1,76 @@
+"""The paper-table driver: resumable (run, seed) runs; mean +- std from their final evals."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny_cpu
+from experiments import main as rl_main
+from experiments import paper_table
+
+
+def _cfg():
+    cfg = tiny_cpu.get_config()
+    cfg.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
+    cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
+    cfg.rl.update(
+        steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=1,
+        checkpoint_every=1,
+    )  # fmt: skip
+    cfg.table = ml_collections.ConfigDict(
+        {
+            "name": "t",
+            "title": "test table",
+            "seeds": (0, 1),
+            "runs": (
+                ("qat", {"rl.method": "fp4_qat"}),
+                ("trace all", {"rl.method": "trace", "rl.guided_layers": "all"}),
+            ),
+        }
+    )
+    return cfg
+
+
+def _score(model, problems, key, **kw):
+    """A stand-in pass@1 that differs between runs and seeds (a function of the weights)."""
+    del key, kw
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    return float(np.abs(np.asarray(leaf, np.float64)).sum() * 1e3 % 1.0) + 0.001 * len(problems)
+
+
+def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
+    monkeypatch.setattr(rl_main, "evaluate_pass_at_1", _score)
+    cfg, work, out = _cfg(), tmp_path / "work", tmp_path / "out"
+    # A deadline already passed: the SFT stage runs, no RL chunk starts, nothing is written.
+    assert paper_table.run(cfg, str(work), outdir=str(out), chunk_steps=1, deadline_s=0.0) is None
+    assert (work / "sft" / "sft_checkpoint").exists() and not (out / "t.json").exists()
+    rows = paper_table.run(cfg, str(work), outdir=str(out), chunk_steps=1)
+    assert [r["run"] for r in rows] == ["qat", "trace all"]
+    for row, (label, _) in zip(rows, cfg.table.runs, strict=True):
+        finals = []
+        for seed in (0, 1):
+            d = work / label / f"seed{seed}"
+            evals = [json.loads(x) for x in (d / "rl_eval.jsonl").read_text().splitlines()]
+            assert [e["step"] for e in evals] == [0, 1]
+            finals.append(evals[-1])
+        for split in ("level1", "aime24"):
+            vals = [f[split] for f in finals]
+            assert vals[0] != vals[1]  # the seeds really differ, so mean and std are tested
+            np.testing.assert_allclose(row[split], np.mean(vals))
+            np.testing.assert_allclose(row[f"{split}_std"], np.std(vals, ddof=1))
+        np.testing.assert_allclose(row["average"], np.mean([f["aime24"] for f in finals]))
+    saved = json.loads((out / "t.json").read_text())["rows"]
+    assert saved == json.loads(json.dumps(rows))
+    assert (out / "t.png").stat().st_size > 0
+
+
+def test_bad_override(tmp_path):
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="unknown override"):
+        paper_table.run_config(cfg, "x", {"model.preset": "small"}, 0, "")
