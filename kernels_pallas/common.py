@@ -12,6 +12,7 @@ enter kernels as their uint8 bit patterns (Triton has no E8M0 type).
 from __future__ import annotations
 
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +101,84 @@ def fp4_planes_as_e4m3(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 def decode_e2m1(codes: jax.Array) -> jax.Array:
     """float32 values of E2M1 codes (int), the quantizer's own decode."""
     return numerics.decode(codes, ElementType.E2M1.spec)
+
+
+# E2M1 code bits (s, e1, e0, m) moved to float16 bit positions (15, 11, 10, 9) give a float16 equal
+# to the E2M1 value times 2**-14 for all 16 codes (float16's exponent bias 15 exceeds E2M1's by 14;
+# the subnormal 0.5 lands on float16's subnormal 2**-15). Unlike the E4M3 route this needs no
+# conversion instruction at all: a packed byte becomes two float16 lanes by shifts and masks.
+F16_ALIGN = 2.0**-14
+
+# PTX for one 32-bit word of 4 packed bytes -> 4 float16 (two f16x2 registers), one plane. `prmt`
+# spreads bytes (0, 1) and (2, 3) into the low bytes of the two 16-bit lanes; then for the low
+# nibble (even elements) bits 0-2 go to 9-11 and bit 3 to 15, for the high nibble (odd elements)
+# bits 4-6 go to 9-11 and bit 7 to 15. About 3 integer ops per element, whole words at a time.
+_F16_PLANE_ASM = """{{
+.reg .b32 a, b, t, u;
+prmt.b32 a, $2, 0, 0x4140;
+prmt.b32 b, $2, 0, 0x4342;
+shl.b32 t, a, {mag_shift}; and.b32 t, t, 0x0E000E00;
+shl.b32 u, a, {sign_shift}; and.b32 u, u, 0x80008000;
+or.b32 $0, t, u;
+shl.b32 t, b, {mag_shift}; and.b32 t, t, 0x0E000E00;
+shl.b32 u, b, {sign_shift}; and.b32 u, u, 0x80008000;
+or.b32 $1, t, u;
+}}"""
+_F16_PLANE_SHIFTS = ({"mag_shift": 9, "sign_shift": 12}, {"mag_shift": 5, "sign_shift": 8})
+
+
+def fp4_planes_as_f16(
+    packed: jax.Array, *, inline_asm: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """(low, high) nibble planes of packed E2M1 bytes as float16, each value * 2**-14 (exact).
+
+    `packed` uint8 [...] -> two float16 [...] (the even and the odd elements). `inline_asm=True`
+    decodes whole 32-bit words with PTX (Triton lowering only: inside a Pallas kernel on an NVIDIA
+    GPU, with a multiple of 4 elements per thread); the default jnp form is the same bit mapping
+    one element at a time (interpret mode, XLA, and the test reference of the PTX).
+    """
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    if inline_asm:
+        return tuple(
+            pl_triton.elementwise_inline_asm(
+                _F16_PLANE_ASM.format(**shifts),
+                args=[packed],
+                constraints="=r,=r,r",
+                pack=4,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.float16)],
+            )[0]
+            for shifts in _F16_PLANE_SHIFTS
+        )
+    p = packed.astype(jnp.uint16)
+    even = ((p & 0x07) << 9) | ((p & 0x08) << 12)
+    odd = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    as_f16 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float16)
+    return as_f16(even), as_f16(odd)
+
+
+def split_block_scales(
+    bits: jax.Array, fmt: BlockFormat, global_scale: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Block scales as (per-element float16 factors, per-row float32 factors).
+
+    bits uint8 [rows, NB] (and NVFP4's float32 global scale [rows]) -> (float16 [rows, NB],
+    float32 [rows]) whose product is the block's full scale. float16 cannot hold every scale, so:
+      NVFP4: the E4M3 block scale is exact in float16 and the row factor is the global scale; and
+        code * scale * 2**-14 (`fp4_planes_as_f16` times this) is exact in float16 (a multiple of
+        2**-24 below 0.17 with at most 6 significant bits).
+      MXFP4: the row factor is the row's largest E8M0 scale and the element factor 2**(e - e_max)
+        <= 1; blocks more than 2**-24 below their row's largest flush to zero in float16 (their
+        products with 2**-14-aligned codes round below 2**-9): contributions under 2**-24 of the
+        row's largest block.
+    """
+    if fmt.scale is ScaleType.E4M3:
+        elem = as_e4m3(bits).astype(jnp.float16)
+        row = jnp.ones(bits.shape[:1], jnp.float32) if global_scale is None else global_scale
+        return elem, row.astype(jnp.float32)
+    e = bits.astype(jnp.int32)
+    e_max = e.max(axis=1)
+    rel = e - e_max[:, None]  # <= 0
+    rel_f32 = jax.lax.bitcast_convert_type((jnp.maximum(rel, -126) + 127) << 23, jnp.float32)
+    elem = jnp.where(rel < -24, 0.0, rel_f32).astype(jnp.float16)
+    return elem, numerics.decode_e8m0(e_max)

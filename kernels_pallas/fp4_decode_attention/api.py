@@ -94,6 +94,7 @@ def _plan(
     k_splits,
     block_s,
     interpret,
+    decode=None,
 ) -> DecodePlan:
     if backend not in set(Backend):
         raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}")
@@ -119,7 +120,10 @@ def _plan(
         raise ValueError(f"k_splits must be a positive int, got {k_splits!r}")
     chunk = pl.cdiv(n_blocks, min(k_splits, n_blocks)) * block_s
     config = kernel.BlockConfig(
-        block_s=block_s, chunk=chunk, block_g=kernel.block_g_for(q.shape[1] // kv_heads)
+        block_s=block_s,
+        chunk=chunk,
+        block_g=kernel.block_g_for(q.shape[1] // kv_heads),
+        decode=kernel.DEFAULT_DECODE if decode is None else decode,
     )
     return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
 
@@ -134,6 +138,7 @@ def fp4_decode_attention_plan(
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
+    decode: str | None = None,
 ) -> DecodePlan:
     """Checks the arguments of `fp4_decode_attention` and returns the plan it runs."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -179,6 +184,7 @@ def fp4_decode_attention_plan(
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
+        decode=decode,
     )
 
 
@@ -192,6 +198,7 @@ def fp4_decode_attention(
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
+    decode: str | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over a packed FP4 KV cache.
 
@@ -205,6 +212,8 @@ def fp4_decode_attention(
         `fp4_decode_attention_plan(...).k_splits` (no split is left empty).
       block_s: slots per kernel step, a power of two >= 16 (default DEFAULT_BLOCK_S).
       interpret: Pallas interpret mode (default: off the GPU).
+      decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
+        `kernel.DEFAULT_DECODE`).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.
@@ -219,6 +228,7 @@ def fp4_decode_attention(
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
+        decode=decode,
     )
     if plan.backend is Backend.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)

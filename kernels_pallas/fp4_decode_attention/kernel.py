@@ -62,6 +62,8 @@ MIN_BLOCK_G = 16
 # Float32 dots in full precision (Triton: IEEE, where DEFAULT would mean TF32); bf16 dots are
 # unaffected (plain bf16 tensor-core MMA with float32 accumulation).
 _PRECISION = jax.lax.Precision.HIGHEST
+DECODES = ("f16", "e4m3")
+DEFAULT_DECODE = "e4m3"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,8 @@ class BlockConfig:
       chunk: slots per split, a multiple of block_s; k_splits = ceil(S / chunk).
       block_g: query-tile rows, the G heads of a kv head zero-padded (power of two, >= G).
       num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+      decode: how FP4 rows become dot operands (ignored for a bf16 cache): "f16" (word-level
+        PTX to float16, float16 dots) or "e4m3" (bytes to FP8, hardware FP8 -> bf16, bf16 dots).
     """
 
     block_s: int
@@ -80,6 +84,7 @@ class BlockConfig:
     block_g: int
     num_warps: int = 4
     num_stages: int = 2
+    decode: str = DEFAULT_DECODE
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -90,6 +95,8 @@ class BlockConfig:
             )
         if self.block_g <= 0 or self.block_g & (self.block_g - 1):
             raise ValueError(f"block_g must be a power of two, got {self.block_g}")
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
 
     def k_splits(self, slots: int) -> int:
         return pl.cdiv(slots, self.chunk)
@@ -114,9 +121,9 @@ def _load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
     and come back as zeros."""
     rows = pl.ds(start, block_s)
     zero = jnp.zeros((), ref.dtype)
-    if len(ref.shape) == 1:
-        return plgpu.load(ref.at[rows], mask=valid, other=zero)
-    return plgpu.load(ref.at[rows, :], mask=valid[:, None], other=zero)
+    trailing = len(ref.shape) - 1
+    mask = valid[(slice(None),) + (None,) * trailing]
+    return plgpu.load(ref.at[(rows,) + (slice(None),) * trailing], mask=mask, other=zero)
 
 
 def decode_fp4_planes(
@@ -141,6 +148,34 @@ def decode_fp4_planes(
     return planes[0], planes[1]
 
 
+def decode_fp4_planes_f16(
+    codes: jax.Array,
+    bits: jax.Array,
+    global_scale: jax.Array | None,
+    fmt: BlockFormat,
+    dtype,
+    *,
+    inline_asm: bool,
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Even and odd elements of packed rows as float16 dot operands, plus a float32 row factor.
+
+    codes uint8 [rows, NB, block/2] (one scale block per middle index), bits uint8 [rows, NB],
+    NVFP4's global scale float32 [rows] or None -> ((even, odd) [rows, Dh/2] in `dtype`, row
+    factor float32 [rows]). Element values are `code * elem_scale * 2**-14`
+    (`common.fp4_planes_as_f16`, `common.split_block_scales`); the true value is that times the
+    row factor times 2**14. The codes arrive already split by scale block, so the scales broadcast
+    over the last axis without a register reshape; the one reshape merges contiguous axes.
+    """
+    rows, nb, per_block = codes.shape
+    elem, row = common.split_block_scales(bits, fmt, global_scale)
+    elem = elem[:, :, None]
+    planes = tuple(
+        (plane * elem).astype(dtype).reshape(rows, nb * per_block)
+        for plane in common.fp4_planes_as_f16(codes, inline_asm=inline_asm)
+    )
+    return planes, row
+
+
 # load_kv(kv_refs, start, valid) -> (k planes, k_row_scale [block_s] | None, v planes, v_scale):
 # each planes entry a tuple of [block_s, Dh / n_planes] arrays matching the query planes.
 LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
@@ -148,16 +183,20 @@ LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
 
 def _flash_decode_kernel(
     len_ref,
+    q_scale_ref,
     *refs,
     load_kv: LoadKV,
     n_planes: int,
     n_kv_refs: int,
     block_s: int,
     chunk: int,
-    sm_scale: float,
     v_factor: float,
 ):
-    """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l)."""
+    """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l).
+
+    q_scale_ref [block_g] float32 scales each query row's scores (the softmax scale times the
+    factor the query was normalized by, see `_flash_decode`).
+    """
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
     length = len_ref[()]
@@ -165,6 +204,7 @@ def _flash_decode_kernel(
     # Blocks holding at least one valid slot; each such block has a finite score.
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
     qs = [r[...] for r in q_refs]  # [block_g, Dh / n_planes] each, already in the dot dtype
+    q_scale = q_scale_ref[...][:, None]
     block_g = qs[0].shape[0]
 
     def body(i, carry):
@@ -178,17 +218,21 @@ def _flash_decode_kernel(
         )
         if k_scale is not None:
             s = s * k_scale[None, :]
-        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)
+        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         total = alpha * total + p.sum(axis=1)
+        pv_scale = 1.0
         if v_scale is not None:
-            p = p * v_scale[None, :]
+            # Row factors of V weight the probabilities; divided by the block's largest they stay
+            # in [0, 1], so a float16 p neither overflows nor loses range.
+            pv_scale = jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny)
+            p = p * (v_scale / pv_scale)[None, :]
         p = p.astype(vs[0].dtype)
         accs = tuple(
             alpha[:, None] * acc
-            + jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
+            + pv_scale * jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
             for acc, v in zip(accs, vs, strict=True)
         )
         return m_new, total, accs
@@ -205,13 +249,8 @@ def _flash_decode_kernel(
     sum_ref[...] = total
 
 
-def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
-    def load_one(codes_ref, bits_ref, global_ref, start, valid):
-        codes = _load_rows(codes_ref, start, block_s, valid)
-        bits = _load_rows(bits_ref, start, block_s, valid)
-        planes = decode_fp4_planes(codes, bits, fmt, dot_dtype)
-        row_scale = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
-        return planes, row_scale
+def _kv_pair_loader(fmt: BlockFormat, load_one) -> LoadKV:
+    """LoadKV over refs (codes, scale bits[, global scale]) for K then V, each by `load_one`."""
 
     def load_kv(refs, start, valid):
         if fmt.has_global_scale:
@@ -221,6 +260,29 @@ def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
         return (*load_one(kc, ks, kg, start, valid), *load_one(vc, vs, vg, start, valid))
 
     return load_kv
+
+
+def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
+    def load_one(codes_ref, bits_ref, global_ref, start, valid):
+        codes = _load_rows(codes_ref, start, block_s, valid)
+        bits = _load_rows(bits_ref, start, block_s, valid)
+        planes = decode_fp4_planes(codes, bits, fmt, dot_dtype)
+        row_scale = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
+        return planes, row_scale
+
+    return _kv_pair_loader(fmt, load_one)
+
+
+def _fp4_f16_load_kv(fmt: BlockFormat, block_s: int, dot_dtype, inline_asm: bool) -> LoadKV:
+    """Like `_fp4_load_kv` over codes split by scale block ([S, NB, block/2] per (b, h))."""
+
+    def load_one(codes_ref, bits_ref, global_ref, start, valid):
+        codes = _load_rows(codes_ref, start, block_s, valid)
+        bits = _load_rows(bits_ref, start, block_s, valid)
+        glob = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
+        return decode_fp4_planes_f16(codes, bits, glob, fmt, dot_dtype, inline_asm=inline_asm)
+
+    return _kv_pair_loader(fmt, load_one)
 
 
 def _bf16_load_kv(block_s: int, dot_dtype) -> LoadKV:
@@ -245,6 +307,8 @@ def _flash_decode(
     *,
     n_planes: int,
     value_factor: float,
+    dot_dtype,
+    normalize_q: bool,
     config: BlockConfig,
     interpret: bool,
     name: str,
@@ -253,18 +317,25 @@ def _flash_decode(
 
     With `n_planes` = 2 the kernel sees the head dim as even and odd planes (FP4 rows decode that
     way without an interleave); the output planes are interleaved back here. K and V values come
-    out of `load_kv` scaled by `value_factor`, undone on the scores and on the output.
+    out of `load_kv` scaled by `value_factor`, undone on the scores and on the output. With
+    `normalize_q` each query row is divided by a power of two at least its largest |value| (exact)
+    so that a float16 query cannot overflow; the factor goes back onto that row's scores.
     """
     b, h, dh = q.shape
     s, hkv = kv_arrays[0].shape[1:3]
     g = h // hkv
     bg = config.block_g
     k_splits = config.k_splits(s)
-    dot_dtype = dot_dtype_for(q.dtype)
     dp = dh // n_planes
 
-    qg = q.reshape(b, hkv, g, dp, n_planes).astype(dot_dtype)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, bg - g), (0, 0), (0, 0)))
+    qg = q.reshape(b, hkv, g, dp, n_planes).astype(jnp.float32)
+    q_scale = jnp.full((b, hkv, g), dh**-0.5 / value_factor, jnp.float32)
+    if normalize_q:
+        _, exponent = jnp.frexp(jnp.abs(qg).max(axis=(3, 4)))  # max |q| < 2**exponent
+        qg = qg * jnp.ldexp(1.0, -exponent)[..., None, None]
+        q_scale = q_scale * jnp.ldexp(1.0, exponent)
+    qg = jnp.pad(qg.astype(dot_dtype), ((0, 0), (0, 0), (0, bg - g), (0, 0), (0, 0)))
+    q_scale = jnp.pad(q_scale, ((0, 0), (0, 0), (0, bg - g)))
     q_planes = [qg[..., i] for i in range(n_planes)]
     lengths = jnp.minimum(lengths.astype(jnp.int32), s)
 
@@ -281,7 +352,6 @@ def _flash_decode(
         n_kv_refs=len(kv_arrays),
         block_s=config.block_s,
         chunk=config.chunk,
-        sm_scale=dh**-0.5 / value_factor,
         v_factor=1.0 / value_factor,
     )
     acc_spec = pl.BlockSpec((sq, sq, sq, bg, dp), lambda i, j, t: (i, j, t, 0, 0))
@@ -293,6 +363,7 @@ def _flash_decode(
         grid=(b, hkv, k_splits),
         in_specs=[
             pl.BlockSpec((sq,), lambda i, j, t: (i,)),
+            pl.BlockSpec((sq, sq, bg), lambda i, j, t: (i, j, 0)),
             *(pl.BlockSpec((sq, sq, bg, dp), lambda i, j, t: (i, j, 0, 0)) for _ in q_planes),
             *(kv_spec(a) for a in kv_arrays),
         ],
@@ -301,7 +372,7 @@ def _flash_decode(
         compiler_params=common.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=name,
-    )(lengths, *q_planes, *kv_arrays)
+    )(lengths, q_scale, *q_planes, *kv_arrays)
     acc = jnp.stack(accs, axis=-1).reshape(b, hkv, k_splits, bg, dh)  # planes interleaved back
     out = combine_partials(acc, m, total)  # [B, Hkv, block_g, Dh]
     return out[:, :, :g].reshape(b, h, dh).astype(q.dtype)
@@ -335,19 +406,30 @@ def fp4_decode_attention_pallas(
 ) -> jax.Array:
     """Decode attention reading the packed FP4 cache in the kernel (inputs checked by the api)."""
     fmt = k_cache.fmt
+    f16 = config.decode == "f16"
     arrays = []
     for cache in (k_cache, v_cache):
-        arrays += [cache.codes, common.scale_bits(cache.scales)]
+        codes = cache.codes
+        if f16:  # [B, S, Hkv, NB, block / 2]: split by scale block (a free reshape)
+            codes = codes.reshape(*codes.shape[:3], -1, fmt.block_size // 2)
+        arrays += [codes, common.scale_bits(cache.scales)]
         if fmt.has_global_scale:
             arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, S, Hkv]
-    load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype_for(q.dtype))
+    if f16:
+        dot_dtype = jnp.float16 if q.dtype == jnp.bfloat16 else jnp.float32
+        load_kv = _fp4_f16_load_kv(fmt, config.block_s, dot_dtype, inline_asm=not interpret)
+    else:
+        dot_dtype = dot_dtype_for(q.dtype)
+        load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype)
     return _flash_decode(
         q,
         arrays,
         lengths,
         load_kv,
         n_planes=2,
-        value_factor=common.E4M3_ALIGN,
+        value_factor=common.F16_ALIGN if f16 else common.E4M3_ALIGN,
+        dot_dtype=dot_dtype,
+        normalize_q=f16,
         config=config,
         interpret=interpret,
         name="fp4_decode_attn",
@@ -365,7 +447,8 @@ def bf16_decode_attention_pallas(
     interpret: bool,
 ) -> jax.Array:
     """The same kernel over a bf16 cache k, v [B, S, Hkv, Dh] (inputs checked by the api)."""
-    load_kv = _bf16_load_kv(config.block_s, dot_dtype_for(q.dtype))
+    dot_dtype = dot_dtype_for(q.dtype)
+    load_kv = _bf16_load_kv(config.block_s, dot_dtype)
     return _flash_decode(
         q,
         [k, v],
@@ -373,6 +456,8 @@ def bf16_decode_attention_pallas(
         load_kv,
         n_planes=1,
         value_factor=1.0,
+        dot_dtype=dot_dtype,
+        normalize_q=False,
         config=config,
         interpret=interpret,
         name="bf16_decode_attn",

@@ -30,3 +30,49 @@ def test_unpacked_codes_and_bad_dtype():
     np.testing.assert_array_equal(got, table * common.E4M3_ALIGN)
     with pytest.raises(ValueError, match="uint8"):
         common.fp4_planes_as_e4m3(np.zeros(4, np.int32))
+
+
+def test_f16_planes_equal_quantizer_decode_for_all_bytes():
+    packed = np.arange(256, dtype=np.uint8)
+    low, high = common.fp4_planes_as_f16(packed)
+    table = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    for plane, nibble in ((low, packed & 0xF), (high, packed >> 4)):
+        assert plane.dtype == np.float16
+        got = np.asarray(plane).astype(np.float64)
+        np.testing.assert_array_equal(got, table[nibble] * common.F16_ALIGN)
+        np.testing.assert_array_equal(np.signbit(got), nibble >= 8)
+    with pytest.raises(ValueError, match="uint8"):
+        common.fp4_planes_as_f16(np.zeros(4, np.int32))
+
+
+@pytest.mark.parametrize("fmt_name", ["NVFP4", "MXFP4"])
+def test_split_block_scales_multiply_back_to_the_block_scale(fmt_name):
+    from trace_jax import fp4
+
+    fmt = getattr(fp4, fmt_name)
+    rng = np.random.default_rng(0)
+    rows, nb = 64, 8
+    if fmt.scale.name == "E4M3":
+        bits = rng.integers(0, 0x7F, (rows, nb)).astype(np.uint8)  # finite positive E4M3
+        full = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        glob = rng.uniform(0.1, 10.0, rows).astype(np.float32)
+        elem, row = common.split_block_scales(bits, fmt, glob)
+        want = full * glob[:, None].astype(np.float64)
+    else:
+        # Exponents within 24 of the row max: exact; one row spans far more (flushes).
+        bits = (rng.integers(100, 125, (rows, nb)) + rng.integers(0, 10, (rows, 1))).astype(
+            np.uint8
+        )
+        bits[0, 0] = 250
+        full = np.exp2(bits.astype(np.float64) - 127)
+        elem, row = common.split_block_scales(bits, fmt)
+        want = full
+    elem = np.asarray(elem)
+    assert elem.dtype == np.float16 and np.asarray(row).dtype == np.float32
+    got = elem.astype(np.float64) * np.asarray(row, np.float64)[:, None]
+    if fmt.scale.name == "E8M0":
+        # Row 0's max is 2**123; its other blocks are > 2**24 smaller and flush to zero.
+        np.testing.assert_array_equal(got[0, 1:], 0.0)
+        np.testing.assert_array_equal(got[0, 0], want[0, 0])
+        got, want = got[1:], want[1:]
+    np.testing.assert_array_equal(got, want)

@@ -32,7 +32,7 @@ from kernels_pallas.fp4_decode_attention import (
     fp4_decode_attention_reference,
     kernel,
 )
-from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_planes
+from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_planes, decode_fp4_planes_f16
 from trace_jax import fp4
 from trace_jax.models.packed_kv_cache import PackedTensorCache
 
@@ -113,6 +113,7 @@ class DecodeAttentionTestBase:
     """Shared cases; subclasses set `backend`."""
 
     backend: str
+    decode: str | None = None
 
     def fp4_op(self, q, k_cache, v_cache, lengths, case: Case):
         return fp4_decode_attention(
@@ -123,6 +124,7 @@ class DecodeAttentionTestBase:
             backend=self.backend,
             k_splits=case.k_splits,
             block_s=case.block_s,
+            decode=self.decode,
         )
 
     def bf16_op(self, q, k, v, lengths, case: Case):
@@ -179,6 +181,14 @@ class DecodeAttentionTestBase:
 
 class TestPallas(DecodeAttentionTestBase):
     backend = "pallas"
+    decode = "e4m3"
+
+
+class TestPallasF16Decode(DecodeAttentionTestBase):
+    """The float16 word-decode kernel (its jnp twin of the PTX in interpret mode)."""
+
+    backend = "pallas"
+    decode = "f16"
 
 
 class TestXla(DecodeAttentionTestBase):
@@ -220,6 +230,23 @@ def test_kernel_decode_equals_cache_read(fmt):
     expected = jax.jit(PackedTensorCache.read, static_argnums=1)(cache, jnp.float32)
     # (code * scale) * global vs the reader's order of the two products: 1 ulp
     np.testing.assert_allclose(np.asarray(values), np.asarray(expected), rtol=2e-7)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernel_f16_decode_equals_cache_read(fmt):
+    """The float16 planes (split by scale block) times their row factor and 2**14, interleaved,
+    give the quantizer's values (exactly for NVFP4's element part; MXFP4 rows here span < 2**24)."""
+    x = 2.0 * jax.random.normal(jax.random.key(5), (2, 8, 2, 64))
+    cache = _packed(x, fmt)
+    rows, nb = 2 * 8 * 2, 64 // fmt.block_size
+    codes = cache.codes.reshape(rows, nb, fmt.block_size // 2)
+    bits = common.scale_bits(cache.scales).reshape(rows, nb)
+    glob = None if cache.global_scale is None else cache.global_scale.reshape(rows)
+    decode = functools.partial(decode_fp4_planes_f16, fmt=fmt, dtype=jnp.float32, inline_asm=False)
+    (even, odd), row = jax.jit(decode)(codes, bits, glob)
+    values = jnp.stack([even, odd], axis=-1) * row[:, None, None] / common.F16_ALIGN
+    expected = jax.jit(PackedTensorCache.read, static_argnums=1)(cache, jnp.float32)
+    np.testing.assert_allclose(np.asarray(values).reshape(x.shape), np.asarray(expected), rtol=2e-7)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -318,8 +345,18 @@ def test_bad_options_and_bf16_inputs_raise():
         bf16_decode_attention(q[:, :3], k, k, lengths)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
-def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt):
+@pytest.mark.parametrize(
+    "fmt, decode",
+    [
+        (fp4.NVFP4, "e4m3"),
+        (fp4.MXFP4, "e4m3"),
+        (fp4.NVFP4, "f16"),
+        (fp4.MXFP4, "f16"),
+        (None, None),
+    ],
+    ids=["nvfp4_e4m3", "mxfp4_e4m3", "nvfp4_f16", "mxfp4_f16", "bf16_cache"],
+)
+def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt, decode):
     """The kernel body lowers to Triton IR (power-of-two tensors, supported primitives) for an
     H200 with a serving shape (S not a multiple of the chunk); PTX compilation needs a GPU."""
     try:
@@ -333,7 +370,9 @@ def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt):
     b, s, hkv, g, dh = 2, 1000, 8, 4, 128
     q = jax.ShapeDtypeStruct((b, hkv * g, dh), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-    config = kernel.BlockConfig(block_s=DEFAULT_BLOCK_S, chunk=128, block_g=16)
+    config = kernel.BlockConfig(
+        block_s=DEFAULT_BLOCK_S, chunk=128, block_g=16, decode=decode or kernel.DEFAULT_DECODE
+    )
     if fmt is None:
         cache = jax.ShapeDtypeStruct((b, s, hkv, dh), jnp.bfloat16)
         op = kernel.bf16_decode_attention_pallas
@@ -344,4 +383,5 @@ def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
         lowered = jax.jit(op).trace(q, cache, cache, lengths).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text
