@@ -17,6 +17,7 @@ Writes experiments/results/kernels.{md,json} (`--outdir`, `--name`).
 from __future__ import annotations
 
 import functools
+import json
 import traceback
 
 import jax
@@ -122,27 +123,45 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
             # Decode variants x tile sizes side by side, each checked on the device; the fastest
             # is reported (all are in fp4_ms_by_variant, errors in fp4_rel_err_by_variant).
             fp4_by_variant, err_by_variant = {}, {}
-            for decode in attn.kernel.DECODES:
-                for bs in (64,) if quick else (64, 128):
-                    run_fp4 = functools.partial(
-                        attn.fp4_decode_attention, backend="pallas", block_s=bs, decode=decode
-                    )
-                    got = run_fp4(q, kc, vc, lengths)
-                    key = f"{decode}/block_s={bs}"
-                    err_by_variant[key] = float(
-                        jnp.linalg.norm((got - ref).astype(jnp.float32)) / ref_norm
-                    )
-                    fp4_by_variant[key] = time_fn(
-                        lambda q, kc, vc, n, f=run_fp4: f(q, kc, vc, n), q, kc, vc, lengths
-                    )
-                    logging.info(
-                        "attention %s @%d %s: %.3f ms, rel err %.1e",
-                        label,
-                        ctx,
-                        key,
-                        1e3 * fp4_by_variant[key],
-                        err_by_variant[key],
-                    )
+            splits0 = attn.default_k_splits(b, hkv, ctx, attn.DEFAULT_BLOCK_S)
+            # e4m3 (the previous decode) at block_s 64 only: it was slower at 128 in every H200 run.
+            variants = [("f16", 64, 4, None), ("f16", 128, 4, None), ("e4m3", 64, 4, None)]
+            if ctx in (32768, 131072) and (label == "paper-like" or ctx == 131072):
+                # Launch tuning of the default decode where the goals are set.
+                variants += [
+                    (attn.kernel.DEFAULT_DECODE, bs, warps, splits)
+                    for bs in (64, 128)
+                    for warps in (4, 8)
+                    for splits in (None, 4 * splits0)
+                    if (warps, splits) != (4, None)
+                ]
+            for decode, bs, warps, splits in (
+                [(attn.kernel.DEFAULT_DECODE, 64, 4, None)] if quick else variants
+            ):
+                run_fp4 = functools.partial(
+                    attn.fp4_decode_attention,
+                    backend="pallas",
+                    block_s=bs,
+                    decode=decode,
+                    num_warps=warps,
+                    k_splits=splits,
+                )
+                got = run_fp4(q, kc, vc, lengths)
+                key = f"{decode}/block_s={bs}/warps={warps}/k_splits={splits or splits0}"
+                err_by_variant[key] = float(
+                    jnp.linalg.norm((got - ref).astype(jnp.float32)) / ref_norm
+                )
+                fp4_by_variant[key] = time_fn(
+                    lambda q, kc, vc, n, f=run_fp4: f(q, kc, vc, n), q, kc, vc, lengths
+                )
+                logging.info(
+                    "attention %s @%d %s: %.3f ms, rel err %.1e",
+                    label,
+                    ctx,
+                    key,
+                    1e3 * fp4_by_variant[key],
+                    err_by_variant[key],
+                )
             best_variant = min(fp4_by_variant, key=fp4_by_variant.get)
             t_fp4 = fp4_by_variant[best_variant]
             err = err_by_variant[best_variant]
@@ -328,7 +347,7 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
     return out
 
 
-def _write(rows, ceil, errors, quick, outdir, name):
+def _write(rows, ceil, errors, quick, outdir, name, previous):
     """Summary + markdown tables of the sections run so far, written to <outdir>/<name>.*."""
     q_rows, a_rows, m_rows, s_rows = (
         rows.get(k, []) for k in ("quantize", "decode_attention", "moe", "decode_step")
@@ -423,6 +442,15 @@ def _write(rows, ceil, errors, quick, outdir, name):
             else ""
         )
     )
+    kept = sorted(
+        {r["section"] for r in q_rows + a_rows + m_rows + s_rows if r in previous.get("rows", [])}
+    )
+    if kept:
+        meta = previous.get("meta", {})
+        notes += (
+            f" Sections {', '.join(kept)} are kept from an earlier run (`{meta.get('command')}`, "
+            f"{meta.get('date')}; their fractions use that run's ceilings)."
+        )
     results_io.write_results(
         name,
         q_rows + a_rows + m_rows + s_rows,
@@ -446,6 +474,7 @@ def define_flags() -> None:
     flags.DEFINE_string("name", "kernels", "result file stem")
     flags.DEFINE_list("sections", list(SECTIONS), "benchmarks to run")
     flags.DEFINE_list("step_contexts", ["4096", "32768"], "contexts of the decode-step benchmark")
+    flags.DEFINE_string("keep_from", "", "earlier results JSON: keep its rows of sections not run")
 
 
 def run(
@@ -456,9 +485,19 @@ def run(
     name: str = "kernels",
     sections: tuple[str, ...] = SECTIONS,
     step_contexts: list[str] = ("4096", "32768"),
+    keep_from: str = "",
 ) -> dict:
-    """Runs every benchmark and writes the results; returns the summary."""
+    """Runs every benchmark and writes the results; returns the summary.
+
+    `keep_from`: an earlier results JSON of this script whose rows of the sections not run now are
+    kept (so sections too long for one GPU command can run in separate commands); the notes name
+    that run's command and date.
+    """
     contexts = [int(c) for c in contexts]
+    previous = {}
+    if keep_from:
+        with open(keep_from) as f:
+            previous = json.load(f)
     ceil = ceilings(quick)
     logging.info("ceilings %s", ceil)
     errors: dict[str, str] = {}
@@ -467,9 +506,9 @@ def run(
         # One failing kernel (e.g. a Triton lowering error) must not lose the other measurements;
         # failures are recorded in the results and make the script exit non-zero.
         if section not in sections:
-            return []
+            return [r for r in previous.get("rows", []) if r.get("section") == section]
         try:
-            return fn(*args)
+            return [{"section": section, **r} for r in fn(*args)]
         except Exception:
             errors[section] = traceback.format_exc()
             logging.error("section %s failed:\n%s", section, errors[section])
@@ -484,7 +523,7 @@ def run(
     ):
         rows[section] = maybe(section, fn, *args)
         # Written after every section: a command stopped by its time limit keeps what finished.
-        summary, tables, notes = _write(rows, ceil, errors, quick, outdir, name)
+        summary, tables, notes = _write(rows, ceil, errors, quick, outdir, name, previous)
     print(tables)
     print(notes)
     if errors:
@@ -502,6 +541,7 @@ def main(argv):
         name=f.name,
         sections=f.sections,
         step_contexts=f.step_contexts,
+        keep_from=f.keep_from,
     )
 
 

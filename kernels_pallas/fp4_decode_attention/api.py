@@ -95,6 +95,7 @@ def _plan(
     block_s,
     interpret,
     decode=None,
+    num_warps=None,
 ) -> DecodePlan:
     if backend not in set(Backend):
         raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}")
@@ -124,6 +125,7 @@ def _plan(
         chunk=chunk,
         block_g=kernel.block_g_for(q.shape[1] // kv_heads),
         decode=kernel.DEFAULT_DECODE if decode is None else decode,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
     return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
 
@@ -139,6 +141,7 @@ def fp4_decode_attention_plan(
     block_s: int | None = None,
     interpret: bool | None = None,
     decode: str | None = None,
+    num_warps: int | None = None,
 ) -> DecodePlan:
     """Checks the arguments of `fp4_decode_attention` and returns the plan it runs."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -185,6 +188,7 @@ def fp4_decode_attention_plan(
         block_s=block_s,
         interpret=interpret,
         decode=decode,
+        num_warps=num_warps,
     )
 
 
@@ -199,6 +203,7 @@ def fp4_decode_attention(
     block_s: int | None = None,
     interpret: bool | None = None,
     decode: str | None = None,
+    num_warps: int | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over a packed FP4 KV cache.
 
@@ -214,6 +219,7 @@ def fp4_decode_attention(
       interpret: Pallas interpret mode (default: off the GPU).
       decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
         `kernel.DEFAULT_DECODE`).
+      num_warps: Triton warps per program (default `kernel.BlockConfig`'s).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.
@@ -229,6 +235,7 @@ def fp4_decode_attention(
         block_s=block_s,
         interpret=interpret,
         decode=decode,
+        num_warps=num_warps,
     )
     if plan.backend is Backend.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)

@@ -63,7 +63,7 @@ MIN_BLOCK_G = 16
 # unaffected (plain bf16 tensor-core MMA with float32 accumulation).
 _PRECISION = jax.lax.Precision.HIGHEST
 DECODES = ("f16", "e4m3")
-DEFAULT_DECODE = "e4m3"
+DEFAULT_DECODE = "f16"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -85,12 +85,14 @@ def block_config(
     grid: str = _DEFAULTS.grid,
 ) -> BlockConfig:
     """The Pallas tiling for these operands: given blocks are checked (ValueError), missing ones
-    default to 64 and shrink to fit (block_m to M, block_n to divide N, block_k to divide K)."""
+    default to 64 and shrink to fit (block_m to M, or with the "groups" grid to the mean group
+    size M / G; block_n to divide N, block_k to divide K)."""
     m = lhs.shape[0]
-    _, n, k = rhs.shape
+    g, n, k = rhs.shape
     fmt_blocks = [f.block_size for f in (rhs.fmt, lhs_format(lhs)) if f is not None]
     if block_m is None:
-        block_m = min(_DEFAULTS.block_m, max(_MIN_BLOCK, pl.next_power_of_2(m)))
+        rows = pl.cdiv(m, g) if grid == "groups" else m
+        block_m = min(_DEFAULTS.block_m, max(_MIN_BLOCK, pl.next_power_of_2(rows)))
     config = BlockConfig(
         block_m=block_m,
         block_n=_pick_block(block_n, _DEFAULTS.block_n, n, 1, "block_n"),

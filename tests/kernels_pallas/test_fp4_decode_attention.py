@@ -272,6 +272,7 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
     q, k, v, lengths = _inputs(case, jnp.bfloat16)
     kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
 
+    monkeypatch.setattr(common, "on_gpu", lambda: False)  # as on the CPU, also when run on a GPU
     plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: auto runs the reference
     assert plan.backend is Backend.XLA and plan.fallback is None
     assert plan.config.block_s == DEFAULT_BLOCK_S and plan.config.block_g == 16
@@ -280,6 +281,11 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
     assert default_k_splits(8, 8, 32768, 64) == 5  # long context: ~2 programs per SM
     plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=4, block_s=16)
     assert (plan.backend, plan.interpret) == (Backend.PALLAS, True)
+    assert (plan.config.decode, plan.config.num_warps) == (kernel.DEFAULT_DECODE, 4)
+    tuned = fp4_decode_attention_plan(q, kc, vc, lengths, decode="e4m3", num_warps=8)
+    assert (tuned.config.decode, tuned.config.num_warps) == ("e4m3", 8)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        fp4_decode_attention_plan(q, kc, vc, lengths, decode="int8")
     # 10 blocks of 16 in 4 splits: chunks of 48 slots, and no empty split.
     assert (plan.config.chunk, plan.k_splits) == (48, 4)
     plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=50, block_s=64)

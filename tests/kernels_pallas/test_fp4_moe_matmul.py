@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from kernels_pallas.fp4_moe_matmul import (
     BlockConfig,
@@ -145,12 +146,16 @@ class TestPallasInterpret(_Cases):
     tiling: ClassVar[dict] = dict(block_m=16, block_n=16, block_k=32, interpret=True)
 
     def test_default_tiles(self):
-        """Default tiles (one 64-row tile holding every group, block_k = K)."""
+        """Default tiles (group-major grid, row tiles of the mean group size, block_k = K)."""
         lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4, seed=1)
         gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
         out = fp4_moe_matmul(lhs, rhs, gs, backend="pallas", interpret=True, out_dtype=jnp.float32)
         assert_matches_reference(out, lhs, rhs, gs, exact=False)
         config = api.block_config(lhs, rhs)
+        mean_rows = pl.next_power_of_2(pl.cdiv(lhs.shape[0], rhs.codes.shape[0]))
+        assert config.grid == "groups"
+        assert (config.block_m, config.block_n, config.block_k) == (max(16, mean_rows), 32, 64)
+        config = api.block_config(lhs, rhs, grid="row_tiles")
         assert (config.block_m, config.block_n, config.block_k) == (64, 32, 64)
 
     def test_nan_block_stays_in_its_group(self):
