@@ -123,21 +123,19 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
             # Decode variants x tile sizes side by side, each checked on the device; the fastest
             # is reported (all are in fp4_ms_by_variant, errors in fp4_rel_err_by_variant).
             fp4_by_variant, err_by_variant = {}, {}
-            splits0 = attn.default_k_splits(b, hkv, ctx, attn.DEFAULT_BLOCK_S)
-            # e4m3 (the previous decode) at block_s 64 only: it was slower at 128 in every H200 run.
-            variants = [("f16", 64, 4, None), ("f16", 128, 4, None), ("e4m3", 64, 4, None)]
+            # (decode, block_s, num_warps, k_splits, num_stages); None: the api's default. The
+            # first is the default launch; "e4m3" is the previous decode at the previous launch
+            # (block_s 64, 2 programs per SM).
+            two_per_sm = attn.default_k_splits(b, hkv, ctx, 64)
+            variants = [("f16", None, 4, None, 2), ("e4m3", 64, 4, two_per_sm, 2)]
             if ctx in (32768, 131072) and (label == "paper-like" or ctx == 131072):
-                # Launch tuning of the default decode where the goals are set.
+                # Launch tuning where the goals are set (the first H200 sweep chose the default).
                 variants += [
-                    (attn.kernel.DEFAULT_DECODE, bs, warps, splits)
+                    ("f16", bs, warps, splits, stages)
                     for bs in (64, 128)
-                    for warps in (4, 8)
-                    for splits in (None, 4 * splits0)
-                    if (warps, splits) != (4, None)
-                ]
-            for decode, bs, warps, splits in (
-                [(attn.kernel.DEFAULT_DECODE, 64, 4, None)] if quick else variants
-            ):
+                    for warps, splits, stages in ((4, two_per_sm, 2), (4, None, 3), (8, None, 2))
+                ] + [("f16", 64, 4, None, 2)]
+            for decode, bs, warps, splits, stages in variants[:1] if quick else variants:
                 run_fp4 = functools.partial(
                     attn.fp4_decode_attention,
                     backend="pallas",
@@ -145,9 +143,16 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                     decode=decode,
                     num_warps=warps,
                     k_splits=splits,
+                    num_stages=stages,
                 )
                 got = run_fp4(q, kc, vc, lengths)
-                key = f"{decode}/block_s={bs}/warps={warps}/k_splits={splits or splits0}"
+                plan = attn.fp4_decode_attention_plan(
+                    q, kc, vc, lengths, block_s=bs, k_splits=splits, backend="pallas"
+                )
+                key = (
+                    f"{decode}/bs={plan.config.block_s}/warps={warps}/splits={plan.k_splits}"
+                    f"/stages={stages}"
+                )
                 err_by_variant[key] = float(
                     jnp.linalg.norm((got - ref).astype(jnp.float32)) / ref_norm
                 )
@@ -442,14 +447,15 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
             else ""
         )
     )
-    kept = sorted(
-        {r["section"] for r in q_rows + a_rows + m_rows + s_rows if r in previous.get("rows", [])}
-    )
-    if kept:
-        meta = previous.get("meta", {})
+    kept = {
+        r["section"]: r.get("measured_by", "?")
+        for r in q_rows + a_rows + m_rows + s_rows
+        if r in previous.get("rows", [])
+    }
+    for section, measured_by in sorted(kept.items()):
         notes += (
-            f" Sections {', '.join(kept)} are kept from an earlier run (`{meta.get('command')}`, "
-            f"{meta.get('date')}; their fractions use that run's ceilings)."
+            f" Section {section} is kept from an earlier run, {measured_by}; its fractions use "
+            "that run's ceilings."
         )
     results_io.write_results(
         name,
@@ -508,19 +514,30 @@ def run(
         if section not in sections:
             return [r for r in previous.get("rows", []) if r.get("section") == section]
         try:
-            return [{"section": section, **r} for r in fn(*args)]
+            meta = results_io.provenance()
+            measured = f"`{meta['command']}` ({meta['date']})"
+            return [{"section": section, "measured_by": measured, **r} for r in fn(*args)]
         except Exception:
             errors[section] = traceback.format_exc()
             logging.error("section %s failed:\n%s", section, errors[section])
             return []
 
-    rows: dict[str, list[dict]] = {}
-    for section, fn, args in (
-        ("quantize", bench_quantize, (quick, ceil["copy_bw"])),
-        ("decode_attention", bench_decode_attention, (quick, ceil["read_bw"], contexts)),
-        ("moe", bench_moe, (quick,)),
-        ("decode_step", bench_decode_step, (quick, [int(c) for c in step_contexts])),
-    ):
+    benches = {
+        "quantize": (bench_quantize, (quick, ceil["copy_bw"])),
+        "decode_attention": (bench_decode_attention, (quick, ceil["read_bw"], contexts)),
+        "moe": (bench_moe, (quick,)),
+        "decode_step": (bench_decode_step, (quick, [int(c) for c in step_contexts])),
+    }
+    unknown = set(sections) - set(benches)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; choose from {list(benches)}")
+    rows = {
+        section: maybe(section, fn, *args)
+        for section, (fn, args) in benches.items()
+        if section not in sections
+    }  # kept from `keep_from`, if given
+    for section in sections:  # in the order given: the first ones finish if time runs out
+        fn, args = benches[section]
         rows[section] = maybe(section, fn, *args)
         # Written after every section: a command stopped by its time limit keeps what finished.
         summary, tables, notes = _write(rows, ceil, errors, quick, outdir, name, previous)

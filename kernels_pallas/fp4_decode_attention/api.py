@@ -22,10 +22,15 @@ from kernels_pallas.common import Backend, resolve_backend
 from kernels_pallas.fp4_decode_attention import kernel, reference
 from trace_jax.models.packed_kv_cache import PackedTensorCache
 
-DEFAULT_BLOCK_S = 64
-# Streaming multiprocessors of an H100/H200; the default k_splits aims at two programs per SM.
+# Default tiling per kernel, from the H200 launch sweep (experiments/results/kernels.md): the FP4
+# kernel is bound by in-register decode and gains from more resident programs (8 per SM, 128-slot
+# steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2 per SM.
+DEFAULT_BLOCK_S = 64  # bf16 twin
+FP4_DEFAULT_BLOCK_S = 128
+# Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
-TARGET_PROGRAMS = 2 * NUM_SMS
+TARGET_PROGRAMS = 2 * NUM_SMS  # bf16 twin
+FP4_TARGET_PROGRAMS = 8 * NUM_SMS
 _Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # The "xla" backend: the references, jitted (eager calls would dispatch every op separately).
 fp4_reference_jit = jax.jit(reference.fp4_decode_attention_reference)
@@ -51,9 +56,11 @@ class DecodePlan:
     fallback: str | None = None
 
 
-def default_k_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
-    """Splits so that B * Hkv * k_splits reaches TARGET_PROGRAMS, at most one per block of S."""
-    want = pl.cdiv(TARGET_PROGRAMS, batch * kv_heads)
+def default_k_splits(
+    batch: int, kv_heads: int, slots: int, block_s: int, target: int = TARGET_PROGRAMS
+) -> int:
+    """Splits so that B * Hkv * k_splits reaches `target` programs, at most one per block of S."""
+    want = pl.cdiv(target, batch * kv_heads)
     return max(1, min(want, pl.cdiv(slots, block_s)))
 
 
@@ -96,6 +103,9 @@ def _plan(
     interpret,
     decode=None,
     num_warps=None,
+    num_stages=None,
+    default_block_s=DEFAULT_BLOCK_S,
+    target_programs=TARGET_PROGRAMS,
 ) -> DecodePlan:
     if backend not in set(Backend):
         raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}")
@@ -111,12 +121,12 @@ def _plan(
 
     if slots < 1:
         raise ValueError("the cache has no slots (S = 0)")
-    block_s = DEFAULT_BLOCK_S if block_s is None else block_s
+    block_s = default_block_s if block_s is None else block_s
     if not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
     n_blocks = pl.cdiv(slots, block_s)
     if k_splits is None:
-        k_splits = default_k_splits(q.shape[0], kv_heads, slots, block_s)
+        k_splits = default_k_splits(q.shape[0], kv_heads, slots, block_s, target_programs)
     if not isinstance(k_splits, int) or k_splits < 1:
         raise ValueError(f"k_splits must be a positive int, got {k_splits!r}")
     chunk = pl.cdiv(n_blocks, min(k_splits, n_blocks)) * block_s
@@ -126,6 +136,7 @@ def _plan(
         block_g=kernel.block_g_for(q.shape[1] // kv_heads),
         decode=kernel.DEFAULT_DECODE if decode is None else decode,
         **({} if num_warps is None else {"num_warps": num_warps}),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
 
@@ -142,6 +153,7 @@ def fp4_decode_attention_plan(
     interpret: bool | None = None,
     decode: str | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> DecodePlan:
     """Checks the arguments of `fp4_decode_attention` and returns the plan it runs."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -189,6 +201,9 @@ def fp4_decode_attention_plan(
         interpret=interpret,
         decode=decode,
         num_warps=num_warps,
+        num_stages=num_stages,
+        default_block_s=FP4_DEFAULT_BLOCK_S,
+        target_programs=FP4_TARGET_PROGRAMS,
     )
 
 
@@ -204,6 +219,7 @@ def fp4_decode_attention(
     interpret: bool | None = None,
     decode: str | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over a packed FP4 KV cache.
 
@@ -215,11 +231,11 @@ def fp4_decode_attention(
       backend: "auto" | "pallas" | "xla" (see the module docstring).
       k_splits: splits of the S slots (default: `default_k_splits`); the effective number is
         `fp4_decode_attention_plan(...).k_splits` (no split is left empty).
-      block_s: slots per kernel step, a power of two >= 16 (default DEFAULT_BLOCK_S).
+      block_s: slots per kernel step, a power of two >= 16 (default FP4_DEFAULT_BLOCK_S).
       interpret: Pallas interpret mode (default: off the GPU).
       decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
         `kernel.DEFAULT_DECODE`).
-      num_warps: Triton warps per program (default `kernel.BlockConfig`'s).
+      num_warps, num_stages: Triton launch parameters (defaults `kernel.BlockConfig`'s).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.
@@ -236,6 +252,7 @@ def fp4_decode_attention(
         interpret=interpret,
         decode=decode,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     if plan.backend is Backend.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)
