@@ -310,10 +310,7 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
                 kernel_backend=kb,
             )
             logits, _, _ = decode_step(model, cache, tok, site=sites)
-            g = {
-                k: fp4.make_guidance(q, "full" if full else "compact")
-                for k, q in sites.captured.items()
-            }
+            g = sites.captured_guidance("full" if full else "compact")
             return logits, g
 
         bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11)

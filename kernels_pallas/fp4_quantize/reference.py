@@ -33,14 +33,15 @@ class QuantizedCapture:
         )
 
     def compact_guidance(self) -> Guidance:
-        return Guidance(
-            self.compact_bits,
-            self.scales,
-            self.global_scale,
-            None,
-            self.fmt,
-            fp4.GuidanceMode.COMPACT,
-        )
+        return self.guidance(fp4.GuidanceMode.COMPACT)
+
+    def guidance(self, mode: str | fp4.GuidanceMode = "compact") -> Guidance:
+        """The capture as guidance, straight from the pass's outputs (no second pass over codes):
+        compact = the mantissa-LSB bits, full = the packed codes (`fp4.make_guidance`'s payloads).
+        """
+        mode = fp4.GuidanceMode(mode)
+        payload = self.compact_bits if mode is fp4.GuidanceMode.COMPACT else self.packed_codes
+        return Guidance(payload, self.scales, self.global_scale, None, self.fmt, mode)
 
 
 def quantize_capture_reference(

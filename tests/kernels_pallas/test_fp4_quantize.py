@@ -40,6 +40,8 @@ def test_rtn_capture_matches_reference(fmt, shape, dtype):
     # The capture is exactly the compact guidance of the quantizer's own QTensor.
     q = fp4.quantize(x, fmt)
     _assert_same(out.compact_guidance(), fp4.make_guidance(q, "compact"))
+    for mode in ("compact", "full"):
+        _assert_same(out.guidance(mode), fp4.make_guidance(q, mode))
     _assert_same(out.qtensor(), q)
 
 

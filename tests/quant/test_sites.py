@@ -84,3 +84,22 @@ def test_quads_residual_compensation_reduces_the_activation_error():
     )
     with pytest.raises(ValueError, match="rollout feature"):
         QuantSites(qcfg, 2, SiteMode.RTN, residual_fraction=0.1)
+
+
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_fused_pallas_capture_gives_the_same_guidance(mode):
+    """kernel_backend="pallas" hands over the fused kernel's bits / packed codes; they equal the
+    guidance made from the XLA quantizer's codes, and the forward values are identical."""
+    qcfg = QuantConfig.nvfp4()
+    x = jax.random.normal(jax.random.key(5), (3, 64))
+    keys = ["1/expert_in", "1/k"]
+    out = {}
+    for backend in ("xla", "pallas"):
+        sites = QuantSites(
+            qcfg, 2, SiteMode.RTN, capture=keys, differentiable=False, kernel_backend=backend
+        )
+        ys = [sites(x, name=key.split("/")[1], layer=1) for key in keys]
+        out[backend] = (ys, sites.captured_guidance(mode))
+    assert set(out["pallas"][1]) == set(keys)
+    for u, v in zip(jax.tree.leaves(out["xla"]), jax.tree.leaves(out["pallas"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

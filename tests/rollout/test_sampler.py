@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kernels_pallas.fp4_decode_attention import kernel as attention_kernel
 from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -176,15 +177,24 @@ def test_bf16_decode_matches_teacher_forced_forward():
     assert diff.max() < 0.05 and diff.mean() < 5e-3, (diff.max(), diff.mean())
 
 
-def test_pallas_kernel_backend_matches_xla():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_kernel_backend_matches_xla(dtype, monkeypatch):
     """kernel_backend="pallas" (interpret mode here): same greedy tokens; identical guidance where
-    both paths see identical inputs (the prompt slots: prefill attention is XLA in both)."""
-    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08)  # the decode kernel needs Dh >= 32
+    both paths see identical inputs (the prompt slots: prefill attention is XLA in both).
+
+    In bfloat16 the two paths round attention differently (XLA: bf16 probabilities and values;
+    the kernel's float16 decode: float16 probabilities, closer to exact), and the FP4 activation
+    sites amplify the difference (response log-probs differ by up to ~0.1 on this model), so exact
+    token equality there is checked with the kernel's "e4m3" decode, which rounds like XLA; the
+    float32 run checks the default decode."""
+    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=dtype)  # the kernel needs Dh >= 32
     m = init_model(cfg, seed=0)
     prompts, lengths = _prompts()
     keys = QCFG.all_keys(cfg.n_layers)
     kw = dict(qcfg=QCFG, capture=keys, capture_mode=fp4.GuidanceMode.FULL)
     a = _generate(m, prompts, lengths, kernel_backend="xla", **kw)
+    if dtype == jnp.bfloat16:
+        monkeypatch.setattr(attention_kernel, "DEFAULT_DECODE", "e4m3")
     b = _generate(m, prompts, lengths, kernel_backend="pallas", **kw)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     prompt = np.arange(a.tokens.shape[1])[None] < np.asarray(lengths)[:, None]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import fp4
-from trace_jax.fp4 import Guidance, QTensor
+from trace_jax.fp4 import Guidance, GuidanceMode, QTensor, make_guidance
 from trace_jax.quant.config import ACTIVATION_SITES, WEIGHT_SITES, QuantConfig, SiteMode
 
 
@@ -122,6 +122,7 @@ class QuantSites:
             raise ValueError("residual compensation is a rollout feature (differentiable=False)")
         self.residual_fraction = residual_fraction
         self.captured: dict[str, QTensor] = {}
+        self._fused: dict = {}  # key -> the fused Pallas pass's QuantizedCapture
         self.stats: dict[str, dict[str, jax.Array]] = {}
         self.coverage: dict[str, dict[str, jax.Array]] = {}
         if self.mode is SiteMode.GUIDED:
@@ -166,7 +167,10 @@ class QuantSites:
         elif self.kernel_backend == "pallas" and fmt.is_fp4 and g is None:
             from kernels_pallas.fp4_quantize import fp4_quantize
 
-            q = fp4_quantize(x, fmt, backend="pallas").qtensor()
+            fused = fp4_quantize(x, fmt, backend="pallas")
+            if key in self.capture:
+                self._fused[key] = fused
+            q = fused.qtensor()
             y = fp4.dequantize(q, x.dtype)
         else:
             y = fp4.dequantize(fp4.quantize(x, fmt, rounding=rounding, guidance=g), x.dtype)
@@ -191,6 +195,14 @@ class QuantSites:
                     where=None if where is None else where[..., None],
                 )
         return y
+
+    def captured_guidance(self, mode: str | GuidanceMode = "compact") -> dict[str, Guidance]:
+        """The captured sites as guidance (`captured` keys). Sites quantized by the fused Pallas
+        kernel hand over its own outputs (compact bits, packed codes): capture adds no pass."""
+        return {
+            key: self._fused[key].guidance(mode) if key in self._fused else make_guidance(q, mode)
+            for key, q in self.captured.items()
+        }
 
     def _compensate(self, x: jax.Array, y: jax.Array, fmt) -> jax.Array:
         """QUADS: adds a second FP4 pass over the residual of each row's worst channels."""

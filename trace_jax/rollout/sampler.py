@@ -100,7 +100,7 @@ def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
 
 
 def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
-    return {k: fp4.make_guidance(q, mode) for k, q in sites.captured.items()}
+    return sites.captured_guidance(mode)
 
 
 @functools.partial(
