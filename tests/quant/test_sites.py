@@ -103,3 +103,18 @@ def test_fused_pallas_capture_gives_the_same_guidance(mode):
     assert set(out["pallas"][1]) == set(keys)
     for u, v in zip(jax.tree.leaves(out["xla"]), jax.tree.leaves(out["pallas"]), strict=True):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_quantized_returns_the_sites_qtensor_and_packed_experts_need_pallas():
+    qcfg = QuantConfig.nvfp4()
+    x = jax.random.normal(jax.random.key(6), (2, 3, 64))
+    sites = QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False)
+    y, q = sites.quantized(x, name="expert_in", layer=0)
+    ref = fp4.quantize(x, "nvfp4")
+    for u, v in zip(jax.tree.leaves(q), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_array_equal(y, sites(x, name="expert_in", layer=0))
+    assert QuantSites(qcfg, 2, SiteMode.OFF).quantized(x, name="expert_in", layer=0)[1] is None
+    assert sites.packed_experts_for(0) is None
+    with pytest.raises(ValueError, match="packed_experts feed the Pallas"):
+        QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False, packed_experts={0: object()})

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kernels_pallas.fp4_decode_attention import kernel as attention_kernel
 from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -177,27 +176,24 @@ def test_bf16_decode_matches_teacher_forced_forward():
     assert diff.max() < 0.05 and diff.mean() < 5e-3, (diff.max(), diff.mean())
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_pallas_kernel_backend_matches_xla(dtype, monkeypatch):
-    """kernel_backend="pallas" (interpret mode here): same greedy tokens; identical guidance where
-    both paths see identical inputs (the prompt slots: prefill attention is XLA in both).
-
-    In bfloat16 the two paths round attention differently (XLA: bf16 probabilities and values;
-    the kernel's float16 decode: float16 probabilities, closer to exact), and the FP4 activation
-    sites amplify the difference (response log-probs differ by up to ~0.1 on this model), so exact
-    token equality there is checked with the kernel's "e4m3" decode, which rounds like XLA; the
-    float32 run checks the default decode."""
+def _pallas_and_xla_rollouts(dtype):
     cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=dtype)  # the kernel needs Dh >= 32
     m = init_model(cfg, seed=0)
     prompts, lengths = _prompts()
     keys = QCFG.all_keys(cfg.n_layers)
     kw = dict(qcfg=QCFG, capture=keys, capture_mode=fp4.GuidanceMode.FULL)
     a = _generate(m, prompts, lengths, kernel_backend="xla", **kw)
-    if dtype == jnp.bfloat16:
-        monkeypatch.setattr(attention_kernel, "DEFAULT_DECODE", "e4m3")
     b = _generate(m, prompts, lengths, kernel_backend="pallas", **kw)
-    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     prompt = np.arange(a.tokens.shape[1])[None] < np.asarray(lengths)[:, None]
+    return a, b, keys, prompt
+
+
+def test_pallas_kernel_backend_matches_xla():
+    """kernel_backend="pallas" (interpret mode here: fused quantize + capture, FP4 decode
+    attention, FP4 MoE matmul on weights packed once) in float32 compute: the same greedy tokens
+    as the XLA path, and identical guidance where both paths see identical inputs (prompt slots)."""
+    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     for k in keys:
         ga, gb = a.guidance[k], b.guidance[k]
         np.testing.assert_array_equal(
@@ -207,3 +203,26 @@ def test_pallas_kernel_backend_matches_xla(dtype, monkeypatch):
             np.asarray(fp4.scales_to_float32(ga.scales, ga.fmt))[prompt],
             np.asarray(fp4.scales_to_float32(gb.scales, gb.fmt))[prompt],
         )
+
+
+def test_pallas_kernel_backend_close_to_xla_in_bf16():
+    """In bfloat16 the paths compute different numbers, the kernels the more faithful ones: XLA's
+    fake quantization rounds dequantized NVFP4 values (code * scale * float32 global scale) to
+    bf16 before `ragged_dot`, and its attention rounds probabilities to bf16, while the kernels
+    decode exact FP4 values, apply global scales in float32 and keep float16 probabilities. FP4
+    sites turn these differences into code flips that compound with depth, so: greedy tokens
+    (measured: all equal) at most one apart, response log-probs within 0.2 (measured 0.13), and
+    in layer 0, where both paths see identical inputs, (almost) the same codes."""
+    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.bfloat16)
+    resp = np.asarray(a.response_mask) & np.asarray(b.response_mask)
+    ta, tb = np.asarray(a.tokens), np.asarray(b.tokens)
+    assert (ta != tb)[resp].sum() <= 1
+    # Log-probs of each row up to its first differing token (inputs identical until then).
+    same_so_far = np.cumsum(ta != tb, axis=1) == 0
+    diff = np.abs(np.asarray(a.logprobs) - np.asarray(b.logprobs))[resp & same_so_far]
+    assert diff.size >= 10 and diff.max() < 0.2, diff.max()
+    for k in [k for k in keys if k.startswith("0/")]:
+        ca = np.asarray(a.guidance[k].rollout_codes())[prompt]
+        cb = np.asarray(b.guidance[k].rollout_codes())[prompt]
+        # expert_mid follows the first expert matmuls (measured 1.2% flips); the rest are equal.
+        assert np.mean(ca != cb) <= (0.03 if k.endswith("expert_mid") else 0.0), k

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,26 @@ def _swap_last(w: jax.Array) -> jax.Array:
     return jnp.swapaxes(w, -1, -2)
 
 
+def _sort_by_expert(routing: Routing, n_experts: int):
+    """(order, inverse, group_sizes): the M = B*T*K assignments sorted by expert (stable)."""
+    m = routing.topk_idx.size
+    flat_e = routing.topk_idx.reshape(m)
+    order = jnp.argsort(flat_e, stable=True)  # sorted row -> (token, slot) row
+    inverse = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)  # [E]
+    return order, inverse, group_sizes
+
+
+def _combine(y_sorted: jax.Array, inverse: jax.Array, routing: Routing, dtype) -> jax.Array:
+    """Expert outputs [M, D] in sorted order -> [B, T, D]: the top-k weighted sum per token."""
+    b, t, top_k = routing.topk_idx.shape
+    y = y_sorted[inverse].reshape(b, t, top_k, y_sorted.shape[-1])
+    out = jnp.einsum(
+        "btkd,btk->btd", y, routing.topk_weights.astype(y.dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(dtype)
+
+
 def experts_grouped(
     x: jax.Array,
     w_gate: jax.Array,
@@ -112,13 +133,9 @@ def experts_grouped(
     (contraction dim last, already through their sites). `site` is used for "expert_mid" only.
     """
     b, t, d = x.shape
-    n_experts = w_gate.shape[0]
     top_k = routing.topk_idx.shape[-1]
     m = b * t * top_k
-    flat_e = routing.topk_idx.reshape(m)
-    order = jnp.argsort(flat_e, stable=True)  # sorted row -> (token, slot) row
-    inverse = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
-    group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)  # [E]
+    order, inverse, group_sizes = _sort_by_expert(routing, w_gate.shape[0])
     x_sorted = x.reshape(b * t, d)[order // top_k]  # [M, D]
     gate = jax.lax.ragged_dot(x_sorted, _swap_last(w_gate), group_sizes)  # [M, F]
     up = jax.lax.ragged_dot(x_sorted, _swap_last(w_up), group_sizes)
@@ -129,11 +146,80 @@ def experts_grouped(
         h_tok = site(h_tok, name=SiteName.EXPERT_MID, layer=layer, experts=routing.topk_idx)
         h = h_tok.reshape(m, f)[order]
     y_sorted = jax.lax.ragged_dot(h, _swap_last(w_down), group_sizes)  # [M, D]
-    y = y_sorted[inverse].reshape(b, t, top_k, d)
-    out = jnp.einsum(
-        "btkd,btk->btd", y, routing.topk_weights.astype(y.dtype), preferred_element_type=jnp.float32
+    return _combine(y_sorted, inverse, routing, x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """One layer's routed-expert weights, FP4-quantized (RTN, one global scale per expert as at
+    the weight sites) and packed for the Pallas MoE kernel: `PackedFP4Weights` gate, up
+    [E, F, D] and down [E, D, F]."""
+
+    gate: Any
+    up: Any
+    down: Any
+
+
+def _rows(q, rows: jax.Array):
+    """Rows `rows` of a site output flattened to [R, N]: a `QTensor` (codes, scales, global
+    scale gathered together) or a plain array (cast to bfloat16, the kernel's plain operand)."""
+    from trace_jax import fp4
+
+    if isinstance(q, fp4.QTensor):
+        codes, scales = (a.reshape(-1, a.shape[-1])[rows] for a in (q.codes, q.scales))
+        gs = None if q.global_scale is None else q.global_scale.reshape(-1, 1)[rows]
+        return fp4.QTensor(codes, scales, gs, q.fmt)
+    return q.reshape(-1, q.shape[-1])[rows].astype(jnp.bfloat16)
+
+
+def experts_packed_fp4(
+    x_q,
+    packed: PackedExperts,
+    routing: Routing,
+    *,
+    layer: int,
+    site: QuantSite,
+    dtype,
+) -> jax.Array:
+    """`experts_grouped` on packed FP4 weights with the Pallas FP4 MoE matmul (rollout only).
+
+    x_q: the "expert_in" site's `QTensor` [B, T, D] (or the plain activations when that site does
+    not quantize); `site` must offer `quantized` (a `QuantSites`) for "expert_mid". The kernel
+    decodes both operands exactly and accumulates in float32 like `ragged_dot` over the
+    fake-quantized values, so the two paths agree to summation order. Returns [B, T, D] in dtype.
+    """
+    from kernels_pallas.fp4_moe_matmul import fp4_moe_matmul
+
+    b, t, top_k = routing.topk_idx.shape
+    order, inverse, group_sizes = _sort_by_expert(routing, packed.gate.shape[0])
+
+    def matmul(lhs, w):
+        return fp4_moe_matmul(lhs, w, group_sizes, backend="pallas", out_dtype=dtype)
+
+    x_sorted = _rows(x_q, order // top_k)  # [M, D]
+    h = jax.nn.silu(matmul(x_sorted, packed.gate)) * matmul(x_sorted, packed.up)  # [M, F]
+    h_tok = h[inverse].reshape(b, t, top_k, h.shape[-1])
+    h_val, h_q = site.quantized(
+        h_tok, name=SiteName.EXPERT_MID, layer=layer, experts=routing.topk_idx
     )
-    return out.astype(x.dtype)
+    y_sorted = matmul(_rows(h_val if h_q is None else h_q, order), packed.down)  # [M, D]
+    return _combine(y_sorted, inverse, routing, dtype)
+
+
+def pack_experts(moe: MoE, qcfg, dtype) -> PackedExperts:
+    """Quantizes and packs one MoE layer's expert weights exactly as the weight sites quantize
+    them (the weights cast to the compute dtype `dtype`, RTN, one global scale per expert)."""
+    from kernels_pallas.fp4_moe_matmul import pack_weights
+
+    def pack(w, name):
+        return pack_weights(w[...].astype(dtype), qcfg.format_for(name))
+
+    return PackedExperts(
+        pack(moe.w_gate, SiteName.W_GATE),
+        pack(moe.w_up, SiteName.W_UP),
+        pack(moe.w_down, SiteName.W_DOWN),
+    )
 
 
 def experts_dense(
@@ -239,6 +325,14 @@ class MoE(nnx.Module):
             expert_choices=expert_choices,
         )
         aux_loss = switch_aux_loss(routing, valid)
+        packed_for = getattr(site, "packed_experts_for", None)
+        packed = None if packed_for is None else packed_for(layer)
+        if packed is not None:  # FP4 rollout on the Pallas kernels: weights packed once
+            x_val, x_q = site.quantized(x, name=SiteName.EXPERT_IN, layer=layer)
+            y = experts_packed_fp4(
+                x_val if x_q is None else x_q, packed, routing, layer=layer, site=site, dtype=dt
+            )
+            return self._add_shared(x, y), routing, aux_loss
         x_q = site(x, name=SiteName.EXPERT_IN, layer=layer)
         w_gate = site(self.w_gate[...].astype(dt), name=SiteName.W_GATE, layer=layer)
         w_up = site(self.w_up[...].astype(dt), name=SiteName.W_UP, layer=layer)
@@ -246,6 +340,11 @@ class MoE(nnx.Module):
         impl = MoEImpl(impl)
         experts = experts_grouped if impl == MoEImpl.GROUPED else experts_dense
         y = experts(x_q, w_gate, w_up, w_down, routing, layer=layer, site=site)
+        return self._add_shared(x, y), routing, aux_loss
+
+    def _add_shared(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """y plus the (gated) shared expert of x, if the model has one."""
+        dt = self.cfg.dtype
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
@@ -257,4 +356,4 @@ class MoE(nnx.Module):
                 )
                 shared = shared * jax.nn.sigmoid(g)[..., None].astype(dt)
             y = y + shared
-        return y, routing, aux_loss
+        return y

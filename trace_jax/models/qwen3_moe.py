@@ -33,7 +33,7 @@ from trace_jax.models.attention import (
     causal_mask,
 )
 from trace_jax.models.config import ModelConfig, QuantSite, identity_site
-from trace_jax.models.moe import MoE, MoEImpl, Routing
+from trace_jax.models.moe import MoE, MoEImpl, PackedExperts, Routing, pack_experts
 
 
 class DecoderLayer(nnx.Module):
@@ -286,6 +286,14 @@ def decode_step(
         model, cache, tokens[:, None], n_new, site=site, expert_choices=expert_choices
     )
     return logits[:, 0], aux, cache
+
+
+def pack_model_experts(model: Qwen3MoE, qcfg) -> dict[int, PackedExperts]:
+    """Every layer's routed-expert weights packed for the Pallas FP4 MoE kernel (once per policy
+    version, see `QuantSites(packed_experts=...)`); `qcfg` gives the weight formats."""
+    return {
+        i: pack_experts(block.moe, qcfg, model.cfg.dtype) for i, block in enumerate(model.layers)
+    }
 
 
 # ------------------------------------------------------------------------ jitted entry points

@@ -85,6 +85,10 @@ class QuantSites:
       residual_fraction: rollout only (QUADS): per token, the fraction of activation channels
         with the largest quantization error whose residual gets a second FP4 pass that is added
         back (residual activation compensation). 0 disables it.
+      packed_experts: rollout with kernel_backend="pallas": layer -> `PackedExperts` (see
+        `trace_jax.models.moe.pack_experts`), the expert weights quantized and packed once per
+        policy version; those layers run the Pallas FP4 MoE matmul on them instead of
+        fake-quantizing the weights every step.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class QuantSites:
         differentiable: bool = True,
         kernel_backend: str = "xla",
         residual_fraction: float = 0.0,
+        packed_experts: Mapping[int, object] | None = None,
     ):
         self.qcfg = qcfg
         self.mode = SiteMode(mode)
@@ -121,6 +126,12 @@ class QuantSites:
         if residual_fraction and differentiable:
             raise ValueError("residual compensation is a rollout feature (differentiable=False)")
         self.residual_fraction = residual_fraction
+        if packed_experts and (kernel_backend != "pallas" or residual_fraction):
+            raise ValueError(
+                "packed_experts feed the Pallas FP4 MoE kernel: kernel_backend='pallas' and no "
+                "residual compensation"
+            )
+        self.packed_experts = dict(packed_experts or {})
         self.captured: dict[str, QTensor] = {}
         self._fused: dict = {}  # key -> the fused Pallas pass's QuantizedCapture
         self.stats: dict[str, dict[str, jax.Array]] = {}
@@ -140,11 +151,26 @@ class QuantSites:
         return align_expert_guidance(g, self.rollout_experts[layer], experts)
 
     def __call__(self, x: jax.Array, *, name: str, layer: int, experts=None) -> jax.Array:
+        return self._site(x, name=name, layer=layer, experts=experts, want_q=False)[0]
+
+    def quantized(
+        self, x: jax.Array, *, name: str, layer: int, experts=None
+    ) -> tuple[jax.Array, QTensor | None]:
+        """The site's value and its `QTensor` (None where the site does not quantize): what a
+        kernel consuming quantized operands (the FP4 MoE matmul) needs. Same captures and
+        statistics as calling the site."""
+        return self._site(x, name=name, layer=layer, experts=experts, want_q=True)
+
+    def packed_experts_for(self, layer: int):
+        """The layer's packed FP4 expert weights (rollout with the Pallas MoE kernel), or None."""
+        return self.packed_experts.get(layer)
+
+    def _site(self, x, *, name, layer, experts, want_q):
         fmt = self.qcfg.format_for(name)
         if self.mode is SiteMode.OFF or fmt is None:
-            return x
+            return x, None
         if name in WEIGHT_SITES:  # identical on both sides: RTN, one global scale per matrix
-            return fp4.fake_quant(x, fmt, global_axes=(-2, -1))
+            return fp4.fake_quant(x, fmt, global_axes=(-2, -1)), None
 
         key = site_key(layer, name)
         valid = _rows_mask(self.valid, x.shape[:-1])
@@ -178,7 +204,7 @@ class QuantSites:
         if self.residual_fraction and name in ACTIVATION_SITES:
             y = self._compensate(x, y, fmt)
 
-        if key in self.capture or key in self.reference:
+        if want_q or key in self.capture or key in self.reference:
             if q is None:  # same inputs as the forward value: XLA computes it once
                 q = fp4.quantize(jax.lax.stop_gradient(x), fmt, rounding=rounding, guidance=g)
             if key in self.capture:
@@ -194,7 +220,7 @@ class QuantSites:
                     fmt,
                     where=None if where is None else where[..., None],
                 )
-        return y
+        return y, q
 
     def captured_guidance(self, mode: str | GuidanceMode = "compact") -> dict[str, Guidance]:
         """The captured sites as guidance (`captured` keys). Sites quantized by the fused Pallas

@@ -20,7 +20,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, GuidanceMode
-from trace_jax.models import Qwen3MoE, decode_step, init_cache, prefill
+from trace_jax.models import Qwen3MoE, decode_step, init_cache, pack_model_experts, prefill
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 from trace_jax.rollout.sampling import SamplingConfig, policy_logprobs, sample_tokens
 
@@ -142,8 +142,9 @@ def generate(
       capture: site keys whose rounding decisions to record (e.g. `qcfg.guided_keys(L)`).
       capture_mode: "compact" or "full" guidance.
       kernel_backend: "xla", or "pallas" for the Pallas FP4 kernels (fused quantize + capture at
-        the FP4 sites and KV writes, FP4 decode attention over the packed cache); both record
-        identical codes and guidance.
+        the FP4 sites and KV writes, FP4 decode attention over the packed cache, and the FP4 MoE
+        matmul over expert weights packed once per call); both record identical codes and
+        guidance where their inputs agree.
       residual_fraction: QUADS' residual activation compensation (see `QuantSites`); 0 = off.
     """
     model: Qwen3MoE = nnx.merge(graphdef, params)
@@ -156,6 +157,12 @@ def generate(
         raise ValueError("the rollout quantizes with SiteMode.RTN (FP4) or SiteMode.OFF (BF16)")
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
+    packed_experts = None
+    if kernel_backend == "pallas" and mode is SiteMode.RTN and not residual_fraction:
+        # FP4 weights are quantized and packed once per rollout (one policy version), and the
+        # experts run the Pallas FP4 MoE matmul on them, instead of fake-quantizing every step.
+        packed_experts = pack_model_experts(model, qcfg)
+
     def new_sites():
         return QuantSites(
             qcfg,
@@ -165,6 +172,7 @@ def generate(
             differentiable=False,
             kernel_backend=kernel_backend,
             residual_fraction=residual_fraction,
+            packed_experts=packed_experts,
         )
 
     # Prefill the prompts.
