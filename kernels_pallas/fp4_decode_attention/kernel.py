@@ -18,19 +18,23 @@ at `lengths[b]`: slots at or past it (stale data, or past the end of the cache w
 multiple of the chunk) are never read, read as zeros, and get probability zero, so no padding copy
 of the cache is made.
 
-FP4 decode in the kernel (`decode_fp4_planes`): each packed byte's two nibbles become two E4M3
-bytes by a few bit operations (`common.fp4_planes_as_e4m3`: value * 2**-6, exact for all codes),
-converted by the hardware FP8 -> bf16 path and multiplied by the block scales, as two planes:
-even elements [block_s, Dh/2] and odd elements [block_s, Dh/2]. The kernel never interleaves
-them: the scores are q_even . k_even + q_odd . k_odd (the query is split outside), and the output
-planes p @ v_even, p @ v_odd are interleaved after the kernel; the 2**-6 is undone on the scores
-and on the output. `code * block_scale * 2**-6` is exact in bf16 (2 + 4 significant bits), so the
-dots run in the query's dtype (bf16 tensor cores for a bf16 query; IEEE float32, not TF32, for a
-float32 one) with float32 accumulation. The NVFP4 per-row global scale is applied after the dot:
-to the scores of the K rows, and to the probabilities that weight the V rows (not to the softmax
-sum l). Measured on the H200 (experiments/results/kernels_h200_partial.md): the previous
-compare/select decode with an interleave ran 4.0 ms at 128K (paper-like shape), this one 1.9 ms,
-still decode-bound (15-17% of read bandwidth) and slower than the bf16 twin.
+FP4 decode in the kernel, two variants (`BlockConfig.decode`):
+  "f16" (default, `decode_fp4_planes_f16`): the codes arrive split by scale block
+    ([S, NB, block/2] per (b, h)); whole 32-bit words of packed bytes become float16 planes by
+    inline PTX (`common.fp4_planes_as_f16`: value * 2**-14, exact; interpret mode runs the same bit
+    mapping in jnp), times the block scales in float16 (exact for NVFP4; MXFP4 relative to the row's
+    largest scale, `common.split_block_scales`), float16 dots against a query normalized by a power
+    of two; the row factors (NVFP4 global scale, MXFP4 largest block scale) go on the scores and,
+    divided by the block's largest, on the probabilities that weight V.
+  "e4m3" (`decode_fp4_planes`): each nibble becomes an E4M3 byte (`common.fp4_planes_as_e4m3`:
+    value * 2**-6, exact), hardware FP8 -> bf16, times the block scales (exact in bf16), bf16 dots.
+Both contract even and odd element planes separately ([block_s, Dh/2] each; the query is split
+outside, the output planes p @ v_even, p @ v_odd are interleaved after the kernel), so the kernel
+never interleaves nibbles; the alignment factor is undone on the scores and the output. A float32
+query runs float32 dots (IEEE, not TF32). Measured on the H200
+(experiments/results/kernels_findings.md): compare/select decode 4.0 ms at 128K (paper-like
+shape), "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, and 1.27 ms with the FP4 launch defaults; still bound
+by in-register decode (24% of the read bandwidth) and slower than the bf16 twin.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
 (Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the cache would be stored

@@ -11,7 +11,7 @@ Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Palla
 lowering; its docstring has the design, the numerics and what a TPU lowering would need), `api.py`
 (backend choice with fallback).
 
-Status: the Pallas kernel runs on the H200 (experiments/results/kernels_h200_partial.md) and in
+Status: the Pallas kernel runs on the H200 (experiments/results/kernels_findings.md) and in
 interpret mode in CI. The "scaled_matmul" backend (`scaled.py`: `jax.nn.scaled_matmul` over
 per-group row tiles, for native block-scaled FP4 on Blackwell) is tested on the CPU against the
 reference; it was never run on a Blackwell GPU (none available), so nothing about its speed is
