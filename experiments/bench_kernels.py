@@ -277,16 +277,17 @@ def bench_moe(quick: bool) -> list[dict]:
     return out
 
 
-def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed):
-    """A cache holding `ctx` random tokens per sequence (as if prefilled), bf16 or packed FP4."""
+def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
+    """A cache holding `ctx` random tokens per sequence (as if prefilled) and `extra` free slots,
+    bf16 or packed FP4."""
     layers = []
     for i in range(cfg.n_layers):
-        k, v = _kv(b, ctx + 1, cfg.n_kv_heads, cfg.head_dim, seed=seed + 2 * i)
+        k, v = _kv(b, ctx + extra, cfg.n_kv_heads, cfg.head_dim, seed=seed + 2 * i)
         if kv_format is None:
             layers.append(LayerKVCache(k=k, v=v))
         else:
             fmt = fp4.get_format(kv_format)
-            slots = jnp.broadcast_to(jnp.arange(ctx + 1), (b, ctx + 1))
+            slots = jnp.broadcast_to(jnp.arange(ctx + extra), (b, ctx + extra))
             layers.append(
                 PackedLayerKVCache(
                     k=PackedTensorCache.empty(k.shape, fmt, kernel_backend).write(k, slots),
@@ -297,9 +298,11 @@ def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed):
 
 
 def bench_decode_step(quick: bool, contexts) -> list[dict]:
-    """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full."""
+    """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full. Times
+    `n_steps` steps in one jitted loop and reports the time per step."""
     cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
     b = 2 if quick else 16
+    n_steps = 2 if quick else 8
     contexts = [64] if quick else contexts
     qcfg = QuantConfig.nvfp4()
     # Parameters are arguments of the timed step, never constants baked into it: as constants,
@@ -313,7 +316,7 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
     out = []
     for ctx in contexts:
 
-        def step(params, packed, cache, tok, mode, capture, kb, full):
+        def one_step(params, packed, cache, tok, mode, capture, kb, full):
             sites = QuantSites(
                 qcfg,
                 cfg.n_layers,
@@ -323,40 +326,66 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
                 kernel_backend=kb,
                 packed_experts=packed if kb == "pallas" else None,
             )
-            logits, _, _ = decode_step(nnx.merge(graphdef, params), cache, tok, site=sites)
-            g = sites.captured_guidance("full" if full else "compact")
-            return logits, g
+            logits, _, cache = decode_step(nnx.merge(graphdef, params), cache, tok, site=sites)
+            return logits, sites.captured_guidance("full" if full else "compact"), cache
 
-        bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11)
-        t_bf16 = time_fn(
-            lambda p, c, t: step(p, None, c, t, SiteMode.OFF, False, "xla", False),
-            params,
-            bf16_cache,
-            tokens,
+        def step(params, packed, cache, tok, mode, capture, kb, full):
+            # `n_steps` decode steps in one jitted loop, as the sampler runs them (one call per
+            # step would time the dispatch of its outputs at short contexts); the guidance of
+            # every step is kept in buffers, as the sampler keeps it. Returns the last logits.
+            args = (params, packed, cache, tok, mode, capture, kb, full)
+            shapes = jax.eval_shape(lambda: one_step(*args)[1])
+            bufs = jax.tree.map(lambda a: jnp.zeros((n_steps, *a.shape), a.dtype), shapes)
+
+            def body(i, carry):
+                cache, tok, bufs, _ = carry
+                logits, g, cache = one_step(params, packed, cache, tok, mode, capture, kb, full)
+                bufs = jax.tree.map(lambda buf, x: buf.at[i].set(x), bufs, g)
+                return cache, jnp.argmax(logits, -1).astype(jnp.int32), bufs, logits
+
+            init = (cache, tok, bufs, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+            _, _, bufs, logits = jax.lax.fori_loop(0, n_steps, body, init)
+            return logits, bufs
+
+        bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
+        t_bf16 = (
+            time_fn(
+                lambda p, c, t: step(p, None, c, t, SiteMode.OFF, False, "xla", False),
+                params,
+                bf16_cache,
+                tokens,
+                inner=2,
+            )
+            / n_steps
         )
         row = {
             "op": "decode step",
             "preset": "tiny" if quick else "small",
             "context": ctx,
             "batch": b,
+            "steps_per_call": n_steps,
             "bf16_ms": 1e3 * t_bf16,
         }
         logging.info("decode step @%d: bf16 %.3f ms", ctx, 1e3 * t_bf16)
         for kb in ("xla", "pallas"):
             # Logged one by one: the first H200 run spent minutes here without finishing a row.
             logging.info("decode step @%d: filling the %s FP4 cache", ctx, kb)
-            cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11)
+            cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11, extra=n_steps)
             variants = [("no capture", False, False), ("compact", True, False)]
             variants += [("full", True, True)]
             for label, capture, full in variants if kb == "pallas" else variants[:1]:
-                t = time_fn(
-                    lambda p, w, c, tk, kb=kb, cap=capture, f=full: step(
-                        p, w, c, tk, SiteMode.RTN, cap, kb, f
-                    ),
-                    params,
-                    packed,
-                    cache,
-                    tokens,
+                t = (
+                    time_fn(
+                        lambda p, w, c, tk, kb=kb, cap=capture, f=full: step(
+                            p, w, c, tk, SiteMode.RTN, cap, kb, f
+                        ),
+                        params,
+                        packed,
+                        cache,
+                        tokens,
+                        inner=2,
+                    )
+                    / n_steps
                 )
                 row[f"fp4_{kb}_{label}_ms"] = 1e3 * t
                 logging.info("decode step @%d: fp4 %s %s %.3f ms", ctx, kb, label, 1e3 * t)
