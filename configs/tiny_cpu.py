@@ -47,7 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
             "temperature": 1.0,
             "learning_rate": 1e-4,
             "warmup_steps": 0,
-            "mini_batches": 1,
+            "mini_batches": 1,  # optimizer steps per batch; mini-batch m is m versions stale
+            "max_staleness": 3,  # policy versions the trainer accepts between rollout and update
             "is_cap": 5.0,
             "routing_replay": True,
             "eval_every": 10,

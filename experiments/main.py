@@ -56,6 +56,15 @@ def _problems(cfg, step: int, n: int) -> list[tasks.Problem]:
     return list(itertools.islice(stream, n))
 
 
+def _mini_batches(n: int, parts: int) -> list[slice]:
+    """`parts` equal row slices of an `n`-row rollout batch (advantages are computed on the whole
+    batch first, so groups may span mini-batches)."""
+    if n % parts:
+        raise ValueError(f"{n} rollouts per step do not split into {parts} equal mini-batches")
+    size = n // parts
+    return [slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
 def _checkpointer(workdir: str, every: int) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every)
     return ocp.CheckpointManager(
@@ -81,6 +90,7 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         learning_rate=rl.learning_rate,
         warmup_steps=rl.warmup_steps,
         mini_batches=rl.mini_batches,
+        max_staleness=rl.get("max_staleness", GRPOConfig.max_staleness),
         is_cap=rl.is_cap,
         routing_replay=rl.routing_replay,
     )
@@ -121,6 +131,9 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
             prompts, lengths = tasks.encode_prompts(batch, pad_to=prompt_width)
             t0 = time.perf_counter()
             gd, params = nnx.split(model)
+            # Policy versions count optimizer steps: this batch is sampled by version v0, and its
+            # m-th mini-batch is trained by version v0 + m (m versions stale).
+            v0 = step * rl.mini_batches
             roll = generate(
                 gd,
                 params,
@@ -136,28 +149,46 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
             )
             jax.block_until_ready(roll.tokens)
             t1 = time.perf_counter()
-            if setup.capture:  # rollout -> store -> trainer, version-checked
-                store.write_async(run_id, step, roll.guidance, policy_version=step)
+            parts = _mini_batches(len(batch), rl.mini_batches)
+            if setup.capture:  # rollout -> store, one entry per mini-batch
+                for m, rows in enumerate(parts):
+                    store.write_async(
+                        run_id, step, roll.rows(rows).guidance, policy_version=v0, micro_batch=m
+                    )
                 store.flush()
-                guidance = store.read(run_id, step, expected_version=step)
-                roll = dataclasses.replace(roll, guidance=jax.device_put(guidance))
             t2 = time.perf_counter()
             responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
             rewards = tasks.batch_rewards(batch, responses)
             adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
             lp_old = old_logprobs(model, roll, setup=setup, grpo=grpo, temperature=rl.temperature)
-            for _ in range(rl.mini_batches):
-                metrics = grpo_step(
-                    model,
-                    optimizer,
-                    roll,
-                    adv,
-                    lp_old,
-                    setup=setup,
-                    grpo=grpo,
-                    temperature=rl.temperature,
+            mb_metrics, t_read = [], 0.0
+            for m, rows in enumerate(parts):
+                part = roll.rows(rows)
+                if setup.capture:  # store -> trainer, version-checked against its own version
+                    r0 = time.perf_counter()
+                    guidance = store.read(
+                        run_id,
+                        step,
+                        micro_batch=m,
+                        expected_version=v0 + m,
+                        max_staleness=grpo.max_staleness,
+                    )
+                    part = dataclasses.replace(part, guidance=jax.device_put(guidance))
+                    t_read += time.perf_counter() - r0
+                mb_metrics.append(
+                    grpo_step(
+                        model,
+                        optimizer,
+                        part,
+                        adv[rows],
+                        lp_old[rows],
+                        setup=setup,
+                        grpo=grpo,
+                        temperature=rl.temperature,
+                    )
                 )
-            m = {k: float(v) for k, v in metrics.items()}
+            # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
+            m = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
             t3 = time.perf_counter()
             if not np.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {step}")
@@ -167,9 +198,11 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 "reward": float(np.mean(rewards)),
                 "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
                 **m,
+                "policy_version": v0,
+                "max_staleness_used": rl.mini_batches - 1,
                 "time_rollout_s": t1 - t0,
-                "time_guidance_io_s": t2 - t1,
-                "time_train_s": t3 - t2,
+                "time_guidance_io_s": t2 - t1 + t_read,
+                "time_train_s": t3 - t2 - t_read,
             }
             history.append(log.write(step, row))
             ckpt.save(

@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs import tiny_cpu
@@ -53,3 +54,27 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
 
     for x, y in zip(params(tmp_path / "a"), params(tmp_path / "b"), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_mini_batches_train_stale_versions_through_the_store(tmp_path):
+    """With M = 2 mini-batches, each rollout batch makes two optimizer steps; mini-batch m reads
+    its own guidance entry, written by policy version v0 = 2 * step, as version v0 + m (1 stale),
+    and never falls back to RTN. With max_staleness 0 the config is refused."""
+    cfg = _cfg()
+    cfg.rl.update(steps=2, mini_batches=2, max_staleness=1)
+    history = rl_main.run(cfg, str(tmp_path / "m"))
+    assert [h["policy_version"] for h in history] == [0, 2]
+    assert all(h["max_staleness_used"] == 1 for h in history)
+    assert all(h["guidance_rtn_fallback_rows"] == 0 for h in history)
+    assert all(np.isfinite(h["loss"]) for h in history)
+    mngr = rl_main._checkpointer(str(tmp_path / "m"), 1)
+    assert mngr.latest_step() == 1
+    cfg.rl.max_staleness = 0
+    with pytest.raises(ValueError, match="max_staleness"):
+        rl_main.run(cfg, str(tmp_path / "refused"))
+
+
+def test_mini_batches_must_split_the_batch():
+    assert rl_main._mini_batches(8, 2) == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ValueError, match="equal mini-batches"):
+        rl_main._mini_batches(6, 4)

@@ -11,7 +11,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
-from trace_jax.rollout import SamplingConfig, generate
+from trace_jax.rollout import Rollout, SamplingConfig, generate
 from trace_jax.rollout.sampling import filter_logits
 from trace_jax.train import train_forward
 
@@ -226,3 +226,26 @@ def test_pallas_kernel_backend_close_to_xla_in_bf16():
         cb = np.asarray(b.guidance[k].rollout_codes())[prompt]
         # expert_mid follows the first expert matmuls (measured 1.2% flips); the rest are equal.
         assert np.mean(ca != cb) <= (0.03 if k.endswith("expert_mid") else 0.0), k
+
+
+def test_rollout_rows_selects_every_field_on_its_batch_axis():
+    b, s, n_layers, k = 4, 6, 2, 2
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(b, s, 32)), jnp.float32)
+    g = fp4.make_guidance(fp4.quantize(x, "nvfp4"), "compact")
+    r = Rollout(
+        tokens=jnp.asarray(rng.integers(0, 9, (b, s)), jnp.int32),
+        prompt_lengths=jnp.arange(b, dtype=jnp.int32),
+        lengths=jnp.arange(b, dtype=jnp.int32) + 3,
+        logprobs=jnp.asarray(rng.normal(size=(b, s)), jnp.float32),
+        response_mask=jnp.asarray(rng.random((b, s)) < 0.5),
+        expert_choices=jnp.asarray(rng.integers(0, 4, (n_layers, b, s, k)), jnp.int32),
+        guidance={"0/k": g},
+    )
+    part = r.rows(slice(1, 3))
+    np.testing.assert_array_equal(part.tokens, r.tokens[1:3])
+    np.testing.assert_array_equal(part.lengths, r.lengths[1:3])
+    np.testing.assert_array_equal(part.expert_choices, r.expert_choices[:, 1:3])
+    for u, v in zip(jax.tree.leaves(part.guidance), jax.tree.leaves(r.guidance), strict=True):
+        np.testing.assert_array_equal(u, v[1:3])
+    assert part.guidance["0/k"].mode is g.mode and part.guidance["0/k"].fmt is g.fmt

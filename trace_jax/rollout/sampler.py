@@ -53,6 +53,22 @@ class Rollout:
         s = jnp.arange(self.tokens.shape[1])
         return s[None, :] < (self.lengths - 1)[:, None]
 
+    def rows(self, index) -> Rollout:
+        """The rollout restricted to batch rows `index` (a slice or int array), guidance too."""
+
+        def take(a):
+            return a[index]
+
+        return Rollout(
+            tokens=take(self.tokens),
+            prompt_lengths=take(self.prompt_lengths),
+            lengths=take(self.lengths),
+            logprobs=take(self.logprobs),
+            response_mask=take(self.response_mask),
+            expert_choices=self.expert_choices[:, index],
+            guidance={k: jax.tree.map(take, g) for k, g in self.guidance.items()},
+        )
+
     @property
     def guidance_bytes(self) -> int:
         """Bytes of the guidance buffers (all slots, as stored)."""
