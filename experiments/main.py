@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +40,9 @@ from trace_jax.models import init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
-from trace_jax.rl.methods import get_method, layers_from_spec
+from trace_jax.rl.methods import MethodSetup, get_method, layers_from_spec
 from trace_jax.rl.step import grpo_step, old_logprobs
-from trace_jax.rollout import SamplingConfig, generate
+from trace_jax.rollout import Rollout, SamplingConfig, generate
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -72,12 +73,24 @@ def _checkpointer(workdir: str, every: int) -> ocp.CheckpointManager:
     )
 
 
-def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
-    """Trains for `cfg.rl.steps` steps (resuming from the last checkpoint); returns the metrics.
+@dataclasses.dataclass
+class RunParts:
+    """What every step of a run uses: the policy (model, optimizer), the method's recipe, the
+    GRPO and sampling settings, the fixed prompt width, the run id and the PRNG key."""
 
-    `stop_after` ends this process after that many steps, as if it were killed (tests resume).
-    """
-    os.makedirs(workdir, exist_ok=True)
+    cfg: Any
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    setup: MethodSetup
+    grpo: GRPOConfig
+    sampling: SamplingConfig
+    prompt_width: int
+    run_id: str
+    key: jax.Array
+
+
+def prepare(cfg) -> RunParts:
+    """The run's policy (initialized, or loaded from `rl.init_from`) and settings."""
     rl = cfg.rl
     mcfg = sft.model_config(cfg)
     model = init_model(mcfg, seed=cfg.seed)
@@ -109,6 +122,123 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         for t in cfg.tasks.kinds
         for lv in cfg.tasks.levels
     )
+    return RunParts(
+        cfg=cfg,
+        model=model,
+        optimizer=optimizer,
+        setup=setup,
+        grpo=grpo,
+        sampling=sampling,
+        prompt_width=prompt_width,
+        run_id=f"{rl.method}_{rl.format}",
+        key=jax.random.key(cfg.seed),
+    )
+
+
+def step_batch(cfg, step: int) -> list[tasks.Problem]:
+    """The step's problems, each repeated group_size times (a pure function of seed and step)."""
+    return [
+        p for p in _problems(cfg, step, cfg.rl.prompts_per_step) for _ in range(cfg.rl.group_size)
+    ]
+
+
+def rollout_step(parts: RunParts, step: int) -> Rollout:
+    """Samples the step's batch with the current policy and the method's rollout recipe."""
+    prompts, lengths = tasks.encode_prompts(step_batch(parts.cfg, step), pad_to=parts.prompt_width)
+    gd, params = nnx.split(parts.model)
+    setup = parts.setup
+    roll = generate(
+        gd,
+        params,
+        jnp.asarray(prompts),
+        jnp.asarray(lengths),
+        jax.random.fold_in(parts.key, step),
+        sampling=parts.sampling,
+        qcfg=setup.rollout_qcfg,
+        mode=setup.rollout_mode,
+        capture=setup.capture,
+        capture_mode=setup.capture_mode,
+        residual_fraction=setup.rollout_residual_channels,
+    )
+    jax.block_until_ready(roll.tokens)
+    return roll
+
+
+def write_guidance(store: GuidanceStore, parts: RunParts, roll: Rollout, step: int, version: int):
+    """Rollout -> store: one entry per mini-batch, stamped with the sampling policy's version."""
+    if not parts.setup.capture:
+        return
+    for m, rows in enumerate(_mini_batches(roll.tokens.shape[0], parts.cfg.rl.mini_batches)):
+        store.write_async(
+            parts.run_id, step, roll.rows(rows).guidance, policy_version=version, micro_batch=m
+        )
+    store.flush()
+
+
+def train_step(
+    parts: RunParts, store: GuidanceStore, roll: Rollout, step: int
+) -> tuple[dict[str, float], float]:
+    """Scores the batch and runs the method's GRPO update, one optimizer step per mini-batch.
+
+    Policy versions count optimizer steps: the trainer holds version `step * M` at the start, and
+    mini-batch m is trained by version `step * M + m`, which is what it asks the store for (the
+    store accepts guidance up to `max_staleness` versions older). Returns (metrics averaged over
+    mini-batches with reward and response length, seconds spent reading guidance).
+    """
+    rl, grpo, setup = parts.cfg.rl, parts.grpo, parts.setup
+    batch = step_batch(parts.cfg, step)
+    responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+    rewards = tasks.batch_rewards(batch, responses)
+    adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
+    lp_old = old_logprobs(parts.model, roll, setup=setup, grpo=grpo, temperature=rl.temperature)
+    mb_metrics, t_read = [], 0.0
+    for m, rows in enumerate(_mini_batches(len(batch), rl.mini_batches)):
+        part = roll.rows(rows)
+        if setup.capture:  # store -> trainer, version-checked against its own version
+            r0 = time.perf_counter()
+            guidance = store.read(
+                parts.run_id,
+                step,
+                micro_batch=m,
+                expected_version=step * rl.mini_batches + m,
+                max_staleness=grpo.max_staleness,
+            )
+            part = dataclasses.replace(part, guidance=jax.device_put(guidance))
+            t_read += time.perf_counter() - r0
+        mb_metrics.append(
+            grpo_step(
+                parts.model,
+                parts.optimizer,
+                part,
+                adv[rows],
+                lp_old[rows],
+                setup=setup,
+                grpo=grpo,
+                temperature=rl.temperature,
+            )
+        )
+    # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
+    metrics = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
+    if not np.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+    metrics = {
+        "reward": float(np.mean(rewards)),
+        "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
+        **metrics,
+    }
+    return metrics, t_read
+
+
+def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
+    """Trains for `cfg.rl.steps` steps (resuming from the last checkpoint); returns the metrics.
+
+    `stop_after` ends this process after that many steps, as if it were killed (tests resume).
+    Rollout and training share this process; `experiments/disaggregated.py` runs them apart.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    rl = cfg.rl
+    parts = prepare(cfg)
+    model, optimizer = parts.model, parts.optimizer
     ckpt = _checkpointer(workdir, rl.checkpoint_every)
     start = 0
     if ckpt.latest_step() is not None:
@@ -119,86 +249,24 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         nnx.update(optimizer, restored["opt"])
         logging.info("resumed from step %d", start - 1)
     store = GuidanceStore(GuidanceStoreConfig(kvstore=os.path.join(workdir, "guidance")))
-    run_id = f"{rl.method}_{rl.format}"
-    key = jax.random.key(cfg.seed)
     history = []
     with MetricsLog(workdir, "rl_metrics", append=bool(start)) as log, store:
         for step in tqdm(
             range(start, rl.steps), desc=f"rl {rl.method}", initial=start, total=rl.steps
         ):
-            problems = _problems(cfg, step, rl.prompts_per_step)
-            batch = [p for p in problems for _ in range(rl.group_size)]
-            prompts, lengths = tasks.encode_prompts(batch, pad_to=prompt_width)
+            version = step * rl.mini_batches
             t0 = time.perf_counter()
-            gd, params = nnx.split(model)
-            # Policy versions count optimizer steps: this batch is sampled by version v0, and its
-            # m-th mini-batch is trained by version v0 + m (m versions stale).
-            v0 = step * rl.mini_batches
-            roll = generate(
-                gd,
-                params,
-                jnp.asarray(prompts),
-                jnp.asarray(lengths),
-                jax.random.fold_in(key, step),
-                sampling=sampling,
-                qcfg=setup.rollout_qcfg,
-                mode=setup.rollout_mode,
-                capture=setup.capture,
-                capture_mode=setup.capture_mode,
-                residual_fraction=setup.rollout_residual_channels,
-            )
-            jax.block_until_ready(roll.tokens)
+            roll = rollout_step(parts, step)
             t1 = time.perf_counter()
-            parts = _mini_batches(len(batch), rl.mini_batches)
-            if setup.capture:  # rollout -> store, one entry per mini-batch
-                for m, rows in enumerate(parts):
-                    store.write_async(
-                        run_id, step, roll.rows(rows).guidance, policy_version=v0, micro_batch=m
-                    )
-                store.flush()
+            write_guidance(store, parts, roll, step, version)
             t2 = time.perf_counter()
-            responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
-            rewards = tasks.batch_rewards(batch, responses)
-            adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
-            lp_old = old_logprobs(model, roll, setup=setup, grpo=grpo, temperature=rl.temperature)
-            mb_metrics, t_read = [], 0.0
-            for m, rows in enumerate(parts):
-                part = roll.rows(rows)
-                if setup.capture:  # store -> trainer, version-checked against its own version
-                    r0 = time.perf_counter()
-                    guidance = store.read(
-                        run_id,
-                        step,
-                        micro_batch=m,
-                        expected_version=v0 + m,
-                        max_staleness=grpo.max_staleness,
-                    )
-                    part = dataclasses.replace(part, guidance=jax.device_put(guidance))
-                    t_read += time.perf_counter() - r0
-                mb_metrics.append(
-                    grpo_step(
-                        model,
-                        optimizer,
-                        part,
-                        adv[rows],
-                        lp_old[rows],
-                        setup=setup,
-                        grpo=grpo,
-                        temperature=rl.temperature,
-                    )
-                )
-            # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
-            m = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
+            metrics, t_read = train_step(parts, store, roll, step)
             t3 = time.perf_counter()
-            if not np.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {step}")
-            if setup.capture:
-                store.gc(run_id, step)
+            if parts.setup.capture:
+                store.gc(parts.run_id, step)
             row = {
-                "reward": float(np.mean(rewards)),
-                "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
-                **m,
-                "policy_version": v0,
+                **metrics,
+                "policy_version": version,
                 "max_staleness_used": rl.mini_batches - 1,
                 "time_rollout_s": t1 - t0,
                 "time_guidance_io_s": t2 - t1 + t_read,
@@ -212,7 +280,7 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 ),
             )
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
-                _evaluate(model, cfg, setup, step, workdir)
+                _evaluate(model, cfg, parts.setup, step, workdir)
             if stop_after is not None and step + 1 - start >= stop_after:
                 break
     ckpt.wait_until_finished()
