@@ -190,11 +190,10 @@ def train_step(
     responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
     rewards = tasks.batch_rewards(batch, responses)
     adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
-    lp_old = old_logprobs(parts.model, roll, setup=setup, grpo=grpo, temperature=rl.temperature)
-    mb_metrics, t_read = [], 0.0
+    mini_batches, t_read = [], 0.0
     for m, rows in enumerate(_mini_batches(len(batch), rl.mini_batches)):
         part = roll.rows(rows)
-        if setup.capture:  # store -> trainer, version-checked against its own version
+        if setup.capture:  # store -> trainer, version-checked against its trainer's version
             r0 = time.perf_counter()
             guidance = store.read(
                 parts.run_id,
@@ -205,18 +204,23 @@ def train_step(
             )
             part = dataclasses.replace(part, guidance=jax.device_put(guidance))
             t_read += time.perf_counter() - r0
-        mb_metrics.append(
-            grpo_step(
-                parts.model,
-                parts.optimizer,
-                part,
-                adv[rows],
-                lp_old[rows],
-                setup=setup,
-                grpo=grpo,
-                temperature=rl.temperature,
-            )
+        # PPO's pi_old: the policy at the start of the step, before any mini-batch update, with
+        # the guidance as read from the store.
+        lp_old = old_logprobs(parts.model, part, setup=setup, grpo=grpo, temperature=rl.temperature)
+        mini_batches.append((rows, part, lp_old))
+    mb_metrics = [
+        grpo_step(
+            parts.model,
+            parts.optimizer,
+            part,
+            adv[rows],
+            lp_old,
+            setup=setup,
+            grpo=grpo,
+            temperature=rl.temperature,
         )
+        for rows, part, lp_old in mini_batches
+    ]
     # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
     metrics = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
     if not np.isfinite(metrics["loss"]):
