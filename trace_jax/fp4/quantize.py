@@ -53,8 +53,9 @@ def quantize_core(
     guide_scale_bits: jax.Array | None = None,
     guide_global: jax.Array | None = None,
     guide_rows: jax.Array | None = None,
+    scale_bits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The quantizer on plain arrays, shared by `quantize` and the Pallas kernels.
+    """The quantizer on plain arrays, shared by `quantize`, the Pallas kernels and PTQ.
 
     Args:
       x32: float32 `[..., N]`, N a multiple of the block.
@@ -65,6 +66,8 @@ def quantize_core(
         uint8 `[..., N]` (exactly one of them).
       guide_scale_bits, guide_global: the rollout's block-scale bits `[..., NB]` and global scale.
       guide_rows: bool `[...]` rows that carry guidance (None: all).
+      scale_bits: block-scale bits uint8 `[..., NB]` to use instead of the max-abs rule (scale
+        search in `trace_jax.quant.ptq`); None computes them.
 
     Returns:
       `(codes uint8 [..., N], scale bits uint8 [..., NB], global scale or None)`.
@@ -73,7 +76,7 @@ def quantize_core(
     nb = x32.shape[-1] // fmt.block_size
     block_shape = (*x32.shape[:-1], nb, fmt.block_size)
     xb = x32.reshape(block_shape)
-    bits = scales.block_scale_bits(xb, fmt, s_g)
+    bits = scales.block_scale_bits(xb, fmt, s_g) if scale_bits is None else scale_bits
 
     guided = rounding is Rounding.GUIDED
     if guided:
