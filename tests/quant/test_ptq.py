@@ -96,3 +96,39 @@ def test_recipes_dispatch_and_errors():
         ptq.quantize_weights(w, "hscale")
     with pytest.raises(ValueError, match="recipe must be one of"):
         ptq.quantize_weights(w, "gptq")
+
+
+def test_model_ptq_vanilla_equals_the_weight_sites_and_hscale_lowers_weighted_error():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from trace_jax.models import ModelConfig, init_model
+    from trace_jax.quant import QuantConfig, QuantSites, SiteMode
+
+    cfg = ModelConfig.tiny(init_std=0.08)
+    tokens = jax.random.randint(jax.random.key(0), (3, 10), 1, cfg.vocab_size)
+    valid = jnp.arange(10)[None, :] < jnp.array([[10], [7], [4]])
+    model = init_model(cfg, seed=1)
+    stats = ptq.calibration_stats(model, tokens, valid)
+    assert stats[0]["in"].shape == (cfg.n_experts, cfg.d_model)
+    assert stats[0]["mid"].shape == (cfg.n_experts, cfg.d_ff_expert)
+    # Every valid (token, slot) pair lands on one expert: the "in" totals count each token K times.
+    x_total = sum(float(s["in"].sum()) for s in stats.values())
+    assert x_total > 0 and np.isfinite(x_total)
+
+    def logits(m, qcfg):
+        sites = QuantSites(qcfg, cfg.n_layers, SiteMode.RTN, differentiable=False)
+        return m(tokens, mask=valid, site=sites)[0]
+
+    reference = logits(model, QuantConfig.nvfp4())
+    vanilla = nnx.clone(model)
+    ptq.quantize_model_experts(vanilla, "vanilla")
+    np.testing.assert_array_equal(
+        logits(vanilla, QuantConfig.nvfp4(weights_prequantized=True)), reference
+    )
+    for layer, block in enumerate(model.layers):
+        w = block.moe.w_down[...].astype(cfg.dtype)
+        h = stats[layer]["mid"][:, None, :]
+        plain = ptq.quantize_weights(w, "vanilla", global_axes=(-2, -1))
+        tuned = ptq.quantize_weights(w, "hscale", h=h, global_axes=(-2, -1))
+        assert float(ptq.weighted_error(w, tuned, h)) < float(ptq.weighted_error(w, plain, h))

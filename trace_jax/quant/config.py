@@ -34,6 +34,8 @@ class QuantConfig:
       kv_format: K and V per token and head (None: bf16 KV cache).
       guided_layers: layers whose activation/KV sites carry guidance; None = the deeper half.
       guidance_mode: "compact" (1 bit/element + scales) or "full" (codes + scales).
+      weights_prequantized: the expert weights already hold FP4 values (post-training
+        quantization, `trace_jax.quant.ptq`): weight sites pass them through unchanged.
     """
 
     weight_format: str | None = "nvfp4"
@@ -41,6 +43,7 @@ class QuantConfig:
     kv_format: str | None = "nvfp4"
     guided_layers: tuple[int, ...] | None = None
     guidance_mode: GuidanceMode = GuidanceMode.COMPACT
+    weights_prequantized: bool = False
 
     def __post_init__(self):
         for name in ("weight_format", "activation_format", "kv_format"):

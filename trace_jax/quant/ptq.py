@@ -111,6 +111,65 @@ def quantize_weights(
     raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
 
 
+class _ExpertInputs:
+    """A `QuantSite` that records the routed experts' inputs (and changes nothing)."""
+
+    def __init__(self):
+        self.inputs: dict[tuple[int, str], jax.Array] = {}
+
+    def __call__(self, x, *, name, layer, experts=None):
+        if name in ("expert_in", "expert_mid"):
+            self.inputs[(layer, name)] = x
+        return x
+
+
+def calibration_stats(
+    model, tokens: jax.Array, valid: jax.Array
+) -> dict[int, dict[str, jax.Array]]:
+    """H-Scale's `h`: per layer, the diagonal of X^T X of each expert's inputs.
+
+    Runs the (bf16) model on calibration `tokens [B, T]` with `valid [B, T]` and returns
+    `{layer: {"in": [E, D], "mid": [E, F]}}`: for expert e, the sum over the (token, slot) pairs
+    routed to e of the squared expert input (for w_gate and w_up) and of the squared
+    down-projection input (for w_down), float32.
+    """
+    recorder = _ExpertInputs()
+    _, aux = model(tokens, mask=valid, site=recorder)
+    n_experts = model.cfg.n_experts
+    stats = {}
+    for layer in range(model.cfg.n_layers):
+        routed = jax.nn.one_hot(aux["topk_idx"][layer], n_experts, dtype=jnp.float32)
+        routed = routed * valid[..., None, None]  # [B, T, K, E]
+        x = recorder.inputs[(layer, "expert_in")].astype(jnp.float32)  # [B, T, D]
+        h = recorder.inputs[(layer, "expert_mid")].astype(jnp.float32)  # [B, T, K, F]
+        stats[layer] = {
+            "in": jnp.einsum("btke,btd->ed", routed, x * x),
+            "mid": jnp.einsum("btke,btkf->ef", routed, h * h),
+        }
+    return stats
+
+
+def quantize_model_experts(model, recipe: str, stats=None) -> dict[str, float]:
+    """Replaces every routed-expert weight of `model` (in place) by its `recipe` NVFP4 values.
+
+    Weights are quantized as the weight sites see them (cast to the compute dtype, one global
+    scale per expert); `stats` from `calibration_stats` weight the H-Scale search (w_gate, w_up
+    by the "in" statistics, w_down by "mid"). Evaluate the result with
+    `QuantConfig(weights_prequantized=True)`. Returns the summed squared error per weight name.
+    """
+    errors = {"w_gate": 0.0, "w_up": 0.0, "w_down": 0.0}
+    for layer, block in enumerate(model.layers):
+        moe = block.moe
+        for name, key in (("w_gate", "in"), ("w_up", "in"), ("w_down", "mid")):
+            param = getattr(moe, name)
+            w = param[...].astype(model.cfg.dtype)
+            h = None if stats is None else stats[layer][key][:, None, :]  # [E, 1, K]
+            q = quantize_weights(w, recipe, h=h, global_axes=(-2, -1))
+            errors[name] += float(weighted_error(w, q))
+            param[...] = fp4.dequantize(q, jnp.float32).astype(param[...].dtype)
+    return errors
+
+
 def weighted_error(w: jax.Array, q: fp4.QTensor, h: jax.Array | None = None) -> jax.Array:
     """`sum h_j (w - dequantize(q))**2` over all elements (h = 1 when None), float32."""
     err = (fp4.dequantize(q, jnp.float32) - jnp.asarray(w, jnp.float32)) ** 2
@@ -121,8 +180,10 @@ def weighted_error(w: jax.Array, q: fp4.QTensor, h: jax.Array | None = None) -> 
 
 __all__ = [
     "RECIPES",
+    "calibration_stats",
     "quantize_4over6",
     "quantize_hscale",
+    "quantize_model_experts",
     "quantize_weights",
     "weighted_error",
 ]

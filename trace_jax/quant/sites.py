@@ -170,6 +170,8 @@ class QuantSites:
         if self.mode is SiteMode.OFF or fmt is None:
             return x, None
         if name in WEIGHT_SITES:  # identical on both sides: RTN, one global scale per matrix
+            if self.qcfg.weights_prequantized:
+                return x, None
             return fp4.fake_quant(x, fmt, global_axes=(-2, -1)), None
 
         key = site_key(layer, name)

@@ -174,6 +174,11 @@ def generate(
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
     packed_experts = None
+    if kernel_backend == "pallas" and mode is SiteMode.RTN and qcfg.weights_prequantized:
+        raise NotImplementedError(
+            "kernel_backend='pallas' packs expert weights with RTN, which would re-quantize "
+            "post-training-quantized weights; use kernel_backend='xla' for them"
+        )
     if kernel_backend == "pallas" and mode is SiteMode.RTN and not residual_fraction:
         # FP4 weights are quantized and packed once per rollout (one policy version), and the
         # experts run the Pallas FP4 MoE matmul on them, instead of fake-quantizing every step.
