@@ -34,13 +34,14 @@ def _module_name() -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str = ".4g") -> str:
-    """A markdown table of `columns` from `rows`; floats formatted with `fmt`."""
+    """A markdown table of `columns` from `rows`; floats formatted with `fmt`, cells a row does
+    not have shown as "n/a"."""
 
     def cell(v: Any) -> str:
         return format(v, fmt) if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r.get(c, "n/a")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -1,0 +1,14 @@
+r"""Table 7 analog: post-training FP4 quantization of the BF16-trained policy vs TRACE.
+
+The policies come from the Table 1 runs (`configs/table1_nvfp4.py`, seed 0):
+python -m experiments.ptq_table --config=configs/table7_ptq.py \
+    --bf16_policy=workdir/table1/bf16/seed0 --trace_policy=workdir/table1/trace/seed0
+"""
+
+import ml_collections
+
+from configs import small_gpu
+
+
+def get_config() -> ml_collections.ConfigDict:
+    return small_gpu.get_config()

@@ -1,0 +1,155 @@
+r"""Table 7 analog: a BF16-trained policy quantized after training vs TRACE's final FP4 policy.
+
+  python -m experiments.ptq_table --config=configs/table7_ptq.py \
+      --bf16_policy=<RL workdir of a bf16 run> --trace_policy=<RL workdir of a trace run>
+
+(a policy is an RL workdir, whose latest checkpoint is used, or parameters saved by
+`experiments.sft.save_params`).
+
+The BF16-trained policy's routed-expert weights are quantized once with each recipe of
+`trace_jax.quant.ptq` (vanilla NVFP4, 4over6, H-Scale calibrated on `--calibration_prompts`
+training prompts of the config's tasks), then evaluated with FP4 execution: NVFP4 W/A/KV, the
+quantized weights passed through unchanged (`QuantConfig(weights_prequantized=True)`),
+activations and KV quantized on the fly as in the rollout. Beside them: the BF16 policy with bf16
+execution and, if given, TRACE's final policy with its own FP4 execution (RTN weights, as its
+rollout ran). pass@1 per held-out split and their mean; the summed squared weight error of each
+recipe. Writes <outdir>/<name>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from flax import nnx
+from ml_collections import config_flags
+
+from experiments import main as rl_main
+from experiments import results_io, sft
+from trace_jax import tasks
+from trace_jax.models import init_model
+from trace_jax.quant import QuantConfig, SiteMode, ptq
+from trace_jax.rl.evaluate import evaluate_pass_at_1
+
+
+def load_policy(cfg, path: str):
+    """A policy from an RL workdir (its latest `rl_checkpoints` step) or from saved params."""
+    if os.path.isdir(os.path.join(path, "rl_checkpoints")):
+        parts = rl_main.prepare(cfg)
+        mngr = rl_main._checkpointer(path, 1)
+        abstract = {"model": nnx.state(parts.model, nnx.Param), "opt": nnx.state(parts.optimizer)}
+        restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        nnx.update(parts.model, restored["model"])
+        return parts.model
+    model = init_model(sft.model_config(cfg), seed=cfg.seed)
+    sft.load_params(model, path)
+    return model
+
+
+def _scores(cfg, model, qcfg, mode) -> dict[str, float]:
+    row = {}
+    for i, split in enumerate(cfg.eval.splits):
+        problems = tasks.eval_split(split)[: cfg.eval.problems_per_split]
+        row[split] = evaluate_pass_at_1(
+            model,
+            problems,
+            jax.random.key(cfg.seed + i),
+            k=cfg.eval.k,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            temperature=cfg.eval.temperature,
+            qcfg=qcfg,
+            mode=mode,
+        )
+    row["average"] = float(np.mean([row[s] for s in cfg.eval.splits]))
+    return row
+
+
+def calibration_batch(cfg, n_prompts: int) -> tuple[jax.Array, jax.Array]:
+    """Training prompts (not held-out problems) as tokens [n, P] and their valid mask."""
+    problems = []
+    step = 0
+    while len(problems) < n_prompts:
+        problems += rl_main._problems(cfg, 10_000_000 + step, n_prompts)
+        step += 1
+    prompts, lengths = tasks.encode_prompts(problems[:n_prompts])
+    valid = jnp.arange(prompts.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+    return jnp.asarray(prompts), valid
+
+
+def run(
+    cfg,
+    *,
+    bf16_policy: str,
+    trace_policy: str = "",
+    calibration_prompts: int = 64,
+    outdir: str = results_io.RESULTS_DIR,
+    name: str = "table7_ptq",
+) -> list[dict]:
+    fp4_exec = QuantConfig.nvfp4()
+    rows = []
+    policy = load_policy(cfg, bf16_policy)
+    rows.append(
+        {"policy": "BF16-trained, bf16 execution", **_scores(cfg, policy, None, SiteMode.OFF)}
+    )
+    tokens, valid = calibration_batch(cfg, calibration_prompts)
+    stats = ptq.calibration_stats(policy, tokens, valid)
+    for recipe in ptq.RECIPES:
+        model = nnx.clone(policy)
+        errors = ptq.quantize_model_experts(model, recipe, stats)
+        prequantized = QuantConfig.nvfp4(weights_prequantized=True)
+        row = {"policy": f"BF16-trained + {recipe} PTQ, FP4 execution"}
+        row.update(_scores(cfg, model, prequantized, SiteMode.RTN))
+        row["weight_sq_error"] = sum(errors.values())
+        rows.append(row)
+        logging.info("%s", row)
+    if trace_policy:
+        model = load_policy(cfg, trace_policy)
+        rows.append(
+            {
+                "policy": "TRACE final policy, FP4 execution",
+                **_scores(cfg, model, fp4_exec, SiteMode.RTN),
+            }
+        )
+    columns = ["policy", *cfg.eval.splits, "average", "weight_sq_error"]
+    notes = (
+        f"pass@1 (k={cfg.eval.k}, {cfg.eval.problems_per_split} problems per split, "
+        f"temperature {cfg.eval.temperature}); H-Scale calibrated on {calibration_prompts} "
+        "training prompts; weight_sq_error: summed squared error of the routed-expert weights."
+    )
+    results_io.write_results(
+        name,
+        rows,
+        title="Table 7 analog: post-training FP4 quantization vs TRACE",
+        table=results_io.markdown_table(rows, columns),
+        notes=notes,
+        outdir=outdir,
+    )
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(
+        f.config,
+        bf16_policy=f.bf16_policy,
+        trace_policy=f.trace_policy,
+        calibration_prompts=f.calibration_prompts,
+        outdir=f.outdir,
+        name=f.name,
+    )
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
+    flags.DEFINE_string("bf16_policy", None, "params of the BF16-trained policy (sft.save_params)")
+    flags.DEFINE_string("trace_policy", "", "params of TRACE's final policy (optional)")
+    flags.DEFINE_integer("calibration_prompts", 64, "training prompts for H-Scale's statistics")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
+    flags.DEFINE_string("name", "table7_ptq", "result file stem")
+    flags.mark_flags_as_required(["config", "bf16_policy"])
+    app.run(main)
