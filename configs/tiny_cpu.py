@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
             "max_staleness": 3,  # policy versions the trainer accepts between rollout and update
             "is_cap": 5.0,
             "routing_replay": True,
+            "mismatch_every": 5,  # steps between per-site code-mismatch measurements (0: never)
             "eval_every": 10,
             "checkpoint_every": 10,
         }

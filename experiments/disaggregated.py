@@ -120,7 +120,7 @@ def run_rollout(cfg, workdir: str, *, lag: int = 0, timeout_s: float = 600.0) ->
             restored = policies.restore(version, args=ocp.args.StandardRestore(abstract))
             nnx.update(parts.model, restored)
             t1 = time.perf_counter()
-            roll = rl_main.rollout_step(parts, step)
+            roll, _ = rl_main.rollout_step(parts, step)  # mismatch stats: experiments.main only
             t2 = time.perf_counter()
             rl_main.write_guidance(store, parts, roll, step, version)
             save_rollout(os.path.join(paths["rollouts"], f"{step}.npz"), roll, version)

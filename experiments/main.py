@@ -35,13 +35,15 @@ from tqdm import tqdm
 from experiments import sft
 from experiments.metrics_log import MetricsLog
 from trace_jax import tasks
+from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import init_model
+from trace_jax.quant import SiteMode
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
 from trace_jax.rl.methods import MethodSetup, get_method, layers_from_spec
-from trace_jax.rl.step import grpo_step, old_logprobs
+from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate
 
 matplotlib.use("Agg")
@@ -142,11 +144,28 @@ def step_batch(cfg, step: int) -> list[tasks.Problem]:
     ]
 
 
-def rollout_step(parts: RunParts, step: int) -> Rollout:
-    """Samples the step's batch with the current policy and the method's rollout recipe."""
+def mismatch_step(parts: RunParts, step: int) -> bool:
+    """Whether this step measures per-site code mismatch (`rl.mismatch_every`; FP4 rollouts)."""
+    every = parts.cfg.rl.get("mismatch_every", 0)
+    return bool(every) and step % every == 0 and parts.setup.rollout_mode is SiteMode.RTN
+
+
+def rollout_step(
+    parts: RunParts, step: int, *, reference: bool = False
+) -> tuple[Rollout, dict[str, Guidance] | None]:
+    """Samples the step's batch with the current policy and the method's rollout recipe.
+
+    Returns (the rollout with the method's guidance, or None). With `reference`, the rollout also
+    records full codes at every quantized site (`reference`, for mismatch statistics) and the
+    method's guidance is derived from them (compact guidance = the codes' mantissa bits).
+    """
     prompts, lengths = tasks.encode_prompts(step_batch(parts.cfg, step), pad_to=parts.prompt_width)
     gd, params = nnx.split(parts.model)
     setup = parts.setup
+    capture, capture_mode = setup.capture, setup.capture_mode
+    if reference:
+        capture = setup.rollout_qcfg.all_keys(parts.model.cfg.n_layers)
+        capture_mode = GuidanceMode.FULL
     roll = generate(
         gd,
         params,
@@ -156,12 +175,19 @@ def rollout_step(parts: RunParts, step: int) -> Rollout:
         sampling=parts.sampling,
         qcfg=setup.rollout_qcfg,
         mode=setup.rollout_mode,
-        capture=setup.capture,
-        capture_mode=setup.capture_mode,
+        capture=capture,
+        capture_mode=capture_mode,
         residual_fraction=setup.rollout_residual_channels,
     )
     jax.block_until_ready(roll.tokens)
-    return roll
+    if not reference:
+        return roll, None
+    full = roll.guidance
+    own = {
+        k: full[k] if setup.capture_mode is GuidanceMode.FULL else full[k].as_compact()
+        for k in setup.capture
+    }
+    return dataclasses.replace(roll, guidance=own), full
 
 
 def write_guidance(store: GuidanceStore, parts: RunParts, roll: Rollout, step: int, version: int):
@@ -176,14 +202,20 @@ def write_guidance(store: GuidanceStore, parts: RunParts, roll: Rollout, step: i
 
 
 def train_step(
-    parts: RunParts, store: GuidanceStore, roll: Rollout, step: int
+    parts: RunParts,
+    store: GuidanceStore,
+    roll: Rollout,
+    step: int,
+    reference: dict[str, Guidance] | None = None,
 ) -> tuple[dict[str, float], float]:
     """Scores the batch and runs the method's GRPO update, one optimizer step per mini-batch.
 
     Policy versions count optimizer steps: the trainer holds version `step * M` at the start, and
     mini-batch m is trained by version `step * M + m`, which is what it asks the store for (the
-    store accepts guidance up to `max_staleness` versions older). Returns (metrics averaged over
-    mini-batches with reward and response length, seconds spent reading guidance).
+    store accepts guidance up to `max_staleness` versions older). With `reference` (full rollout
+    codes at every quantized site), the trainer's code mismatch per site is measured on the first
+    mini-batch before any update. Returns (metrics averaged over mini-batches with reward and
+    response length, seconds spent reading guidance).
     """
     rl, grpo, setup = parts.cfg.rl, parts.grpo, parts.setup
     batch = step_batch(parts.cfg, step)
@@ -208,6 +240,14 @@ def train_step(
         # the guidance as read from the store.
         lp_old = old_logprobs(parts.model, part, setup=setup, grpo=grpo, temperature=rl.temperature)
         mini_batches.append((rows, part, lp_old))
+    mismatch = {}
+    if reference is not None:
+        rows, part, _ = mini_batches[0]
+        ref = {k: jax.tree.map(lambda a, r=rows: a[r], g) for k, g in reference.items()}
+        stats = site_mismatch(
+            parts.model, part, ref, setup=setup, grpo=grpo, temperature=rl.temperature
+        )
+        mismatch = _mismatch_metrics(stats)
     mb_metrics = [
         grpo_step(
             parts.model,
@@ -229,8 +269,27 @@ def train_step(
         "reward": float(np.mean(rewards)),
         "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
         **metrics,
+        **mismatch,
     }
     return metrics, t_read
+
+
+def _mismatch_metrics(stats) -> dict[str, float]:
+    """Per-site mismatch fractions; over all sites the mismatch and, when there are mismatches,
+    the fraction of them one adjacent code apart."""
+    out = {}
+    n = n_mis = n_one = 0
+    for key, st in sorted(stats.items()):
+        out[f"mismatch/{key}"] = float(st["mismatch"])
+        n, n_mis, n_one = (
+            n + int(st["n_elements"]),
+            n_mis + int(st["n_mismatch"]),
+            n_one + int(st["n_one_apart"]),
+        )
+    out["code_mismatch"] = n_mis / max(n, 1)
+    if n_mis:  # undefined without mismatches (and NaN would litter the logs)
+        out["one_apart_fraction"] = n_one / n_mis
+    return out
 
 
 def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
@@ -260,11 +319,11 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         ):
             version = step * rl.mini_batches
             t0 = time.perf_counter()
-            roll = rollout_step(parts, step)
+            roll, reference = rollout_step(parts, step, reference=mismatch_step(parts, step))
             t1 = time.perf_counter()
             write_guidance(store, parts, roll, step, version)
             t2 = time.perf_counter()
-            metrics, t_read = train_step(parts, store, roll, step)
+            metrics, t_read = train_step(parts, store, roll, step, reference)
             t3 = time.perf_counter()
             if parts.setup.capture:
                 store.gc(parts.run_id, step)

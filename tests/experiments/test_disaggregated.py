@@ -79,7 +79,7 @@ def test_staleness_bound_and_rollout_files(tmp_path):
     with pytest.raises(ValueError, match="3 versions stale; max_staleness is 2"):
         disaggregated.check_staleness(cfg, 1)
     parts = rl_main.prepare(_cfg(1))
-    roll = rl_main.rollout_step(parts, 0)
+    roll, _ = rl_main.rollout_step(parts, 0)
     path = str(tmp_path / "r.npz")
     disaggregated.save_rollout(path, roll, version=7)
     back, version = disaggregated.load_rollout(path)

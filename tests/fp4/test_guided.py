@@ -161,3 +161,14 @@ def test_guidance_bits_per_element_and_bytes():
     q = fp4.quantize(np.ones((4, 64), np.float32), "mxfp4")
     assert fp4.make_guidance(q, "full").nbytes == 4 * 64 // 2 + 4 * 2
     assert fp4.make_guidance(q, "compact").nbytes == 4 * 64 // 8 + 4 * 2
+
+
+def test_full_guidance_as_compact_equals_compact_capture():
+    x = jax.random.normal(jax.random.key(11), (4, 64))
+    for fmt in ("nvfp4", "mxfp4"):
+        q = fp4.quantize(x, fmt)
+        full, compact = fp4.make_guidance(q, "full"), fp4.make_guidance(q, "compact")
+        got = full.as_compact()
+        assert got.mode is fp4.GuidanceMode.COMPACT and compact.as_compact() is compact
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(compact), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

@@ -76,6 +76,16 @@ class Guidance:
             return unpack_bits(self.payload)
         return self.rollout_codes() & 1
 
+    def as_compact(self) -> Guidance:
+        """The same rounding decisions as compact guidance (full keeps more than compact needs:
+        its codes' mantissa bits, packed, are the compact payload; scales are shared)."""
+        if self.mode is GuidanceMode.COMPACT:
+            return self
+        bits = pack_bits(self.mantissa_bits())
+        return Guidance(
+            bits, self.scales, self.global_scale, self.mask, self.fmt, GuidanceMode.COMPACT
+        )
+
     def check_matches(self, shape: tuple[int, ...], fmt: BlockFormat) -> None:
         """Raises ValueError unless this guidance can guide a `fmt` tensor of `shape`."""
         if self.fmt != fmt:

@@ -72,6 +72,24 @@ def old_logprobs(model, rollout, *, setup: MethodSetup, grpo: GRPOConfig, temper
     return jax.lax.stop_gradient(out.logprobs)
 
 
+@functools.partial(nnx.jit, static_argnames=("setup", "grpo", "temperature"))
+def site_mismatch(
+    model, rollout, reference, *, setup: MethodSetup, grpo: GRPOConfig, temperature: float
+):
+    """Per site key, the trainer's code mismatch against the rollout's full codes `reference`
+    (`trace_jax.fp4.mismatch_stats`), in the method's own trainer forward (guided or not)."""
+    train_fwd = train_forward(
+        model,
+        rollout,
+        qcfg=setup.trainer_qcfg,
+        mode=setup.trainer_mode,
+        replay=grpo.routing_replay,
+        temperature=temperature,
+        reference=reference,
+    )
+    return train_fwd.stats
+
+
 def policy_loss(
     model: Qwen3MoE,
     rollout: Rollout,
