@@ -17,7 +17,12 @@ from experiments import disaggregated
 from experiments import main as rl_main
 
 OVERRIDES = dict(
-    prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=0, learning_rate=1e-2
+    prompts_per_step=2,
+    group_size=2,
+    max_new_tokens=8,
+    eval_every=0,
+    learning_rate=1e-2,
+    mismatch_every=0,
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

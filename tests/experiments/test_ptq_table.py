@@ -17,7 +17,9 @@ from trace_jax.quant import ptq
 def test_ptq_table_rows(tmp_path):
     cfg = tiny_cpu.get_config()
     cfg.eval.update(splits=("level1", "aime24"), problems_per_split=2, max_new_tokens=6)
-    cfg.rl.update(steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0)
+    cfg.rl.update(
+        steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0, mismatch_every=0
+    )
     params = str(tmp_path / "bf16_params")
     sft.save_params(init_model(sft.model_config(cfg), seed=cfg.seed), params)
     rl_main.run(cfg, str(tmp_path / "trace_run"))

@@ -16,7 +16,7 @@ def _cfg():
     cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
     cfg.rl.update(
         steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=2,
-        checkpoint_every=1,
+        checkpoint_every=1, mismatch_every=0,  # mismatch metrics: test_rl_main (CI time)
     )  # fmt: skip
     return cfg
 
