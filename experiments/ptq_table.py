@@ -38,6 +38,8 @@ from trace_jax.rl.evaluate import evaluate_pass_at_1
 
 def load_policy(cfg, path: str):
     """A policy from an RL workdir (its latest `rl_checkpoints` step) or from saved params."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no policy at {path} (an RL workdir or saved params)")
     if os.path.isdir(os.path.join(path, "rl_checkpoints")):
         parts = rl_main.prepare(cfg)
         mngr = rl_main._checkpointer(path, 1)

@@ -44,3 +44,10 @@ def test_ptq_table_rows(tmp_path):
     saved = json.loads((tmp_path / "out" / "t7.json").read_text())
     assert len(saved["rows"]) == 5
     assert "Table 7 analog" in (tmp_path / "out" / "t7.md").read_text()
+
+
+def test_missing_policy_is_a_clear_error(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="no policy at"):
+        ptq_table.load_policy(tiny_cpu.get_config(), str(tmp_path / "nowhere"))

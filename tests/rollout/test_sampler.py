@@ -249,3 +249,25 @@ def test_rollout_rows_selects_every_field_on_its_batch_axis():
     for u, v in zip(jax.tree.leaves(part.guidance), jax.tree.leaves(r.guidance), strict=True):
         np.testing.assert_array_equal(u, v[1:3])
     assert part.guidance["0/k"].mode is g.mode and part.guidance["0/k"].fmt is g.fmt
+
+
+def test_pallas_backend_runs_prequantized_weights_unpacked():
+    """Post-training-quantized weights (QuantConfig.weights_prequantized) are not re-packed on the
+    Pallas backend: the same greedy tokens as the XLA backend (float32 compute)."""
+    from flax import nnx as _nnx
+
+    from trace_jax.quant import ptq
+
+    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=jnp.float32)
+    m = init_model(cfg, seed=0)
+    ptq.quantize_model_experts(m, "4over6")
+    qcfg = QuantConfig.nvfp4(weights_prequantized=True)
+    prompts, lengths = _prompts()
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    gd, params = _nnx.split(m)
+    out = [
+        generate(gd, params, prompts, lengths, jax.random.key(0), sampling=sampling, qcfg=qcfg,
+                 kernel_backend=kb)
+        for kb in ("xla", "pallas")
+    ]  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out[0].tokens), np.asarray(out[1].tokens))

@@ -52,9 +52,16 @@ def _global_norm(tree) -> jax.Array:
 
 
 def trainer_logprobs(
-    model: Qwen3MoE, rollout: Rollout, *, setup: MethodSetup, grpo: GRPOConfig, temperature: float
+    model: Qwen3MoE,
+    rollout: Rollout,
+    *,
+    setup: MethodSetup,
+    grpo: GRPOConfig,
+    temperature: float,
+    reference=None,
 ):
-    """The trainer's forward of the method: `TrainForward` (log-probs [B, S], stats, coverage)."""
+    """The trainer's forward of the method: `TrainForward` (log-probs [B, S], stats, coverage);
+    `reference` (full rollout codes per site) adds code-mismatch statistics."""
     return train_forward(
         model,
         rollout,
@@ -62,6 +69,7 @@ def trainer_logprobs(
         mode=setup.trainer_mode,
         replay=grpo.routing_replay,
         temperature=temperature,
+        reference=reference,
     )
 
 
@@ -78,16 +86,10 @@ def site_mismatch(
 ):
     """Per site key, the trainer's code mismatch against the rollout's full codes `reference`
     (`trace_jax.fp4.mismatch_stats`), in the method's own trainer forward (guided or not)."""
-    train_fwd = train_forward(
-        model,
-        rollout,
-        qcfg=setup.trainer_qcfg,
-        mode=setup.trainer_mode,
-        replay=grpo.routing_replay,
-        temperature=temperature,
-        reference=reference,
+    out = trainer_logprobs(
+        model, rollout, setup=setup, grpo=grpo, temperature=temperature, reference=reference
     )
-    return train_fwd.stats
+    return out.stats
 
 
 def policy_loss(

@@ -174,14 +174,17 @@ def generate(
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
     packed_experts = None
-    if kernel_backend == "pallas" and mode is SiteMode.RTN and qcfg.weights_prequantized:
-        raise NotImplementedError(
-            "kernel_backend='pallas' packs expert weights with RTN, which would re-quantize "
-            "post-training-quantized weights; use kernel_backend='xla' for them"
-        )
-    if kernel_backend == "pallas" and mode is SiteMode.RTN and not residual_fraction:
-        # FP4 weights are quantized and packed once per rollout (one policy version), and the
-        # experts run the Pallas FP4 MoE matmul on them, instead of fake-quantizing every step.
+    # FP4 weights are quantized and packed once per rollout (one policy version), and the experts
+    # run the Pallas FP4 MoE matmul on them, instead of fake-quantizing every step. Weights that
+    # already hold post-training-quantized values are not packed (RTN packing would re-quantize
+    # them with other scales): their experts run ragged_dot on those values, and attention and
+    # activation quantization still use the Pallas kernels.
+    if (
+        kernel_backend == "pallas"
+        and mode is SiteMode.RTN
+        and not residual_fraction
+        and not qcfg.weights_prequantized
+    ):
         packed_experts = pack_model_experts(model, qcfg)
 
     def new_sites():
