@@ -15,6 +15,7 @@ orbax checkpoints `rl_checkpoints/` (resume: rerun the same command).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -43,6 +44,7 @@ from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
 from trace_jax.rl.methods import MethodSetup, get_method, layers_from_spec
+from trace_jax.rl.sharding import make_mesh, shard_batch, shard_model, shard_optimizer
 from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate
 
@@ -78,7 +80,8 @@ def _checkpointer(workdir: str, every: int) -> ocp.CheckpointManager:
 @dataclasses.dataclass
 class RunParts:
     """What every step of a run uses: the policy (model, optimizer), the method's recipe, the
-    GRPO and sampling settings, the fixed prompt width, the run id and the PRNG key."""
+    GRPO and sampling settings, the fixed prompt width, the run id, the PRNG key, and the device
+    mesh (None: one device)."""
 
     cfg: Any
     model: nnx.Module
@@ -89,6 +92,36 @@ class RunParts:
     prompt_width: int
     run_id: str
     key: jax.Array
+    mesh: jax.sharding.Mesh | None = None
+
+    def on_mesh(self, tree, batch_size: int):
+        """`tree` on the device(s): batch-leading arrays split along the mesh's data axis, the
+        rest replicated (no mesh: on the default device)."""
+        return (
+            jax.device_put(tree) if self.mesh is None else shard_batch(tree, self.mesh, batch_size)
+        )
+
+    def mesh_context(self):
+        """The context the run's jitted steps execute in (`jax.set_mesh`; no mesh: nothing)."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+
+def run_mesh(cfg) -> jax.sharding.Mesh | None:
+    """The (data, expert) mesh of `cfg.mesh`, or None for a 1 x 1 mesh (one device, no sharding).
+
+    data splits the rollout batch (`prompts_per_step * group_size` rows, and every mini-batch,
+    must divide evenly), expert splits the routed expert weights along E."""
+    m = cfg.get("mesh") or {}
+    data, expert = int(m.get("data", 1)), int(m.get("expert", 1))
+    if data * expert == 1:
+        return None
+    rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+    if rows % (cfg.rl.mini_batches * data):
+        raise ValueError(
+            f"{rows} rollouts per step in {cfg.rl.mini_batches} mini-batches do not split over "
+            f"mesh.data={data} devices"
+        )
+    return make_mesh(data, expert)
 
 
 def prepare(cfg) -> RunParts:
@@ -112,6 +145,10 @@ def prepare(cfg) -> RunParts:
     optimizer = nnx.Optimizer(
         model, make_optimizer(grpo, rl.steps * rl.mini_batches), wrt=nnx.Param
     )
+    mesh = run_mesh(cfg)
+    if mesh is not None:
+        shard_model(model, mesh)
+        shard_optimizer(optimizer, model, mesh)
     sampling = SamplingConfig(
         max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature,
@@ -134,6 +171,7 @@ def prepare(cfg) -> RunParts:
         prompt_width=prompt_width,
         run_id=f"{rl.method}_{rl.format}",
         key=jax.random.key(cfg.seed),
+        mesh=mesh,
     )
 
 
@@ -160,6 +198,7 @@ def rollout_step(
     method's guidance is derived from them (compact guidance = the codes' mantissa bits).
     """
     prompts, lengths = tasks.encode_prompts(step_batch(parts.cfg, step), pad_to=parts.prompt_width)
+    prompts, lengths = parts.on_mesh((prompts, lengths), len(prompts))
     gd, params = nnx.split(parts.model)
     setup = parts.setup
     capture, capture_mode = setup.capture, setup.capture_mode
@@ -169,8 +208,8 @@ def rollout_step(
     roll = generate(
         gd,
         params,
-        jnp.asarray(prompts),
-        jnp.asarray(lengths),
+        prompts,
+        lengths,
         jax.random.fold_in(parts.key, step),
         sampling=parts.sampling,
         qcfg=setup.rollout_qcfg,
@@ -234,7 +273,8 @@ def train_step(
                 expected_version=step * rl.mini_batches + m,
                 max_staleness=grpo.max_staleness,
             )
-            part = dataclasses.replace(part, guidance=jax.device_put(guidance))
+            guidance = parts.on_mesh(guidance, rows.stop - rows.start)
+            part = dataclasses.replace(part, guidance=guidance)
             t_read += time.perf_counter() - r0
         # PPO's pi_old: the policy at the start of the step, before any mini-batch update, with
         # the guidance as read from the store.
@@ -313,7 +353,7 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         logging.info("resumed from step %d", start - 1)
     store = GuidanceStore(GuidanceStoreConfig(kvstore=os.path.join(workdir, "guidance")))
     history = []
-    with MetricsLog(workdir, "rl_metrics", append=bool(start)) as log, store:
+    with MetricsLog(workdir, "rl_metrics", append=bool(start)) as log, store, parts.mesh_context():
         for step in tqdm(
             range(start, rl.steps), desc=f"rl {rl.method}", initial=start, total=rl.steps
         ):

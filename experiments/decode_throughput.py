@@ -1,0 +1,170 @@
+r"""Rollout decode throughput (tokens/s) against output length: bf16, FP4, FP4 + guidance capture.
+
+The paper's speed claim (SPEC section 8): FP4 rollouts decode faster than BF16, more so at long
+outputs, and caching compact guidance keeps throughput near plain FP4 (full guidance costs more).
+This runs the real sampler (`trace_jax.rollout.generate`, prefill + the jitted decode loop) on a
+randomly initialized model, with no stop token so every sequence decodes `length` tokens, and
+times whole rollouts, side by side in one process:
+
+  * bf16           : no quantization, XLA (the BF16 rollout);
+  * fp4 xla        : NVFP4 W/A/KV with XLA fake quantization (reference path);
+  * fp4 pallas     : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
+  * fp4 + compact  : the same, recording TRACE's compact guidance at the method's guided sites;
+  * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full).
+
+Each variant is compiled ahead of time (`jit(...).lower(...).compile()`); the reported time is the
+median of `--repeats` rollouts after one warm-up. Writes `<outdir>/<name>.{md,json}`.
+
+  python -m experiments.decode_throughput                       # H200: `small`, batch 16
+  python -m experiments.decode_throughput --quick               # CPU smoke run (tiny sizes)
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import results_io
+from trace_jax.fp4 import GuidanceMode
+from trace_jax.models import ModelConfig, init_model
+from trace_jax.quant import SiteMode
+from trace_jax.rl.methods import get_method
+from trace_jax.rollout import SamplingConfig, generate
+
+# label -> (FP4 rollout?, kernel backend, capture: None | "method" (trace's sites) | "all")
+VARIANTS = {
+    "bf16": (False, "xla", None),
+    "fp4 xla": (True, "xla", None),
+    "fp4 pallas": (True, "pallas", None),
+    "fp4 pallas + compact": (True, "pallas", "method"),
+    "fp4 pallas + full": (True, "pallas", "all"),
+}
+
+
+def rollout_fn(cfg: ModelConfig, graphdef, variant: str, length: int, fmt: str = "nvfp4"):
+    """`(params, prompts, prompt_lengths, key) -> Rollout` for one variant, not yet jitted."""
+    fp4_on, backend, capture = VARIANTS[variant]
+    setup = get_method("trace").setup(fmt, cfg.n_layers)
+    qcfg = setup.rollout_qcfg
+    keys, cmode = (), GuidanceMode.COMPACT
+    if capture == "method":
+        keys, cmode = setup.capture, setup.capture_mode
+    elif capture == "all":
+        keys, cmode = qcfg.all_keys(cfg.n_layers), GuidanceMode.FULL
+    sampling = SamplingConfig(max_new_tokens=length, temperature=1.0)  # no stop token
+    return functools.partial(
+        generate,
+        graphdef,
+        sampling=sampling,
+        qcfg=qcfg,
+        mode=SiteMode.RTN if fp4_on else SiteMode.OFF,
+        capture=keys,
+        capture_mode=cmode,
+        kernel_backend=backend,
+    )
+
+
+def measure(cfg: ModelConfig, batch: int, prompt_len: int, lengths, variants, repeats: int):
+    """One row per (length, variant): seconds per rollout, tokens/s, speedup vs bf16."""
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 3, cfg.vocab_size)
+    plens = jnp.full((batch,), prompt_len, jnp.int32)
+    rows = []
+    for length in lengths:
+        base = None
+        for variant in variants:
+            fn = jax.jit(rollout_fn(cfg, graphdef, variant, length))
+            t0 = time.perf_counter()
+            compiled = fn.lower(params, prompts, plens, jax.random.key(2)).compile()
+            compile_s = time.perf_counter() - t0
+            times = []
+            for r in range(repeats + 1):  # the first is the warm-up
+                t0 = time.perf_counter()
+                roll = jax.block_until_ready(compiled(params, prompts, plens, jax.random.key(r)))
+                times.append(time.perf_counter() - t0)
+            n_new = int((roll.lengths - roll.prompt_lengths).sum())
+            if n_new != batch * length:  # the numbers below assume full-length rollouts
+                raise RuntimeError(f"{variant}: {n_new} tokens decoded, want {batch * length}")
+            sec = statistics.median(times[1:])
+            row = {
+                "output_length": length,
+                "variant": variant,
+                "batch": batch,
+                "seconds": sec,
+                "tokens_per_s": n_new / sec,
+                "ms_per_decode_step": 1e3 * sec / length,
+                "compile_s": compile_s,
+            }
+            base = sec if variant == "bf16" else base
+            if base is not None:
+                row["speedup_vs_bf16"] = base / sec
+            rows.append(row)
+            logging.info("%s", row)
+            print(
+                f"L={length:6d} {variant:22s} {row['tokens_per_s']:10.0f} tok/s "
+                f"{row['ms_per_decode_step']:.3f} ms/step (compile {compile_s:.0f} s)",
+                flush=True,
+            )
+    return rows
+
+
+def run(
+    *, quick: bool, lengths, variants, outdir: str, name: str, batch: int, repeats: int
+) -> list[dict]:
+    cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    rows = measure(cfg, batch, prompt_len=16 if quick else 64, lengths=lengths,
+                   variants=variants, repeats=repeats)  # fmt: skip
+    cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
+    table = results_io.markdown_table(rows, cols + ["compile_s"], fmt=".4g")
+    notes = (
+        f"Model `{'tiny' if quick else 'small'}` (random init), batch {batch}, prompt "
+        f"{16 if quick else 64} tokens, NVFP4 W/A/KV for the FP4 variants, temperature 1, no stop "
+        f"token (every sequence decodes the full length). Median of {repeats} rollouts after a "
+        "warm-up; compile time excluded. `+ compact`: TRACE's compact guidance at the deeper "
+        "half's sites; `+ full`: full codes at every FP4 site."
+        + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if quick else "")
+    )
+    results_io.write_results(
+        name,
+        rows,
+        title="Rollout decode throughput vs output length",
+        table=table,
+        notes=notes,
+        outdir=outdir,
+    )
+    print(table)
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(
+        quick=f.quick,
+        lengths=[int(x) for x in f.lengths],
+        variants=f.variants,
+        outdir=f.outdir,
+        name=f.name,
+        batch=f.batch,
+        repeats=f.repeats,
+    )
+
+
+if __name__ == "__main__":
+    flags.DEFINE_bool("quick", False, "tiny model (CPU smoke run; numbers meaningless)")
+    flags.DEFINE_list("lengths", ["1024", "4096", "16384"], "output lengths (new tokens)")
+    flags.DEFINE_list("variants", list(VARIANTS), "which rollouts to time")
+    flags.DEFINE_integer("batch", 16, "sequences per rollout")
+    flags.DEFINE_integer("repeats", 2, "timed rollouts per variant (after one warm-up)")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "decode_throughput", "result file stem")
+    app.run(main)
