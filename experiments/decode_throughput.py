@@ -124,7 +124,7 @@ def run(
     rows = measure(cfg, batch, prompt_len=16 if quick else 64, lengths=lengths,
                    variants=variants, repeats=repeats)  # fmt: skip
     cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
-    table = results_io.markdown_table(rows, cols + ["compile_s"], fmt=".4g")
+    table = results_io.markdown_table(rows, [*cols, "compile_s"], fmt=".4g")
     notes = (
         f"Model `{'tiny' if quick else 'small'}` (random init), batch {batch}, prompt "
         f"{16 if quick else 64} tokens, NVFP4 W/A/KV for the FP4 variants, temperature 1, no stop "

@@ -128,5 +128,5 @@ def test_run_on_a_data_expert_mesh_matches_one_device(tmp_path, uninterrupted):
     for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length"):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=1e-6, err_msg=k)
     cfg.mesh.update(data=3, expert=1)
-    with pytest.raises(ValueError, match="do not split over mesh.data=3"):
+    with pytest.raises(ValueError, match=r"do not split over mesh\.data=3"):
         rl_main.prepare(cfg)
