@@ -46,6 +46,14 @@ from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCac
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 
 
+def _time(quick: bool, fn, *args, **kw) -> float:
+    """`time_fn`; in quick mode (CPU smoke run: interpret-mode kernels, meaningless numbers) one
+    warm-up and one timed call."""
+    if quick:
+        kw.update(inner=1, trials=1, warmup=1)
+    return time_fn(fn, *args, **kw)
+
+
 def _key(i):
     return jax.random.key(i)
 
@@ -56,18 +64,20 @@ def ceilings(quick: bool) -> dict[str, float]:
     # Two reductions over the same bytes; the faster is the read ceiling (the uint8 sum alone was
     # beaten by our bf16 attention kernel in the first H200 run, so it is not a ceiling).
     t_read = min(
-        time_fn(lambda a: jnp.sum(a, dtype=jnp.int32), u8),
-        time_fn(lambda a: jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint32)), u8.reshape(-1, 4)),
+        _time(quick, lambda a: jnp.sum(a, dtype=jnp.int32), u8),
+        _time(
+            quick, lambda a: jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint32)), u8.reshape(-1, 4)
+        ),
     )
     x = jax.random.normal(_key(1), (n // 2,), jnp.bfloat16)
-    t_copy = time_fn(lambda a: a + jnp.asarray(1, a.dtype), x)
+    t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
     return {"read_bw": n / t_read, "copy_bw": 2 * nbytes(x) / t_copy}
 
 
 def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
     rows, n = (256, 256) if quick else (65536, 4096)
     x = jax.random.normal(_key(2), (rows, n), jnp.bfloat16)
-    t_copy = time_fn(lambda a: a + jnp.asarray(1, a.dtype), x)
+    t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
     out = []
     for fmt in (fp4.NVFP4, fp4.MXFP4):
         ref = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="xla"))(x)
@@ -76,7 +86,7 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
         moved = nbytes(x) + nbytes(ref)
         for backend in ("pallas", "xla"):
-            t = time_fn(lambda a, f=fmt, b=backend: fp4_quantize(a, f, backend=b), x)
+            t = _time(quick, lambda a, f=fmt, b=backend: fp4_quantize(a, f, backend=b), x)
             out.append(
                 {
                     "op": "quantize+capture",
@@ -164,8 +174,8 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                 err_by_variant[key] = float(
                     jnp.linalg.norm((got - ref).astype(jnp.float32)) / ref_norm
                 )
-                fp4_by_variant[key] = time_fn(
-                    lambda q, kc, vc, n, f=run_fp4: f(q, kc, vc, n), q, kc, vc, lengths
+                fp4_by_variant[key] = _time(
+                    quick, lambda q, kc, vc, n, f=run_fp4: f(q, kc, vc, n), q, kc, vc, lengths
                 )
                 logging.info(
                     "attention %s @%d %s: %.3f ms, rel err %.1e",
@@ -184,8 +194,9 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                 jnp.linalg.norm(twin.astype(jnp.float32) - ref_bf16) / jnp.linalg.norm(ref_bf16)
             )
             bf16 = {
-                "xla einsum": time_fn(_xla_attention, q, k, v, lengths),
-                "bf16 twin": time_fn(
+                "xla einsum": _time(quick, _xla_attention, q, k, v, lengths),
+                "bf16 twin": _time(
+                    quick,
                     lambda q, k, v, n: attn.bf16_decode_attention(q, k, v, n, backend="pallas"),
                     q,
                     k,
@@ -197,7 +208,8 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                 from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
 
                 for ks in (16, 64):
-                    bf16[f"jax gqa k_splits={ks}"] = time_fn(
+                    bf16[f"jax gqa k_splits={ks}"] = _time(
+                        quick,
                         lambda q, k, v, n, ks=ks: jax_da.gqa(q, k, v, kv_seq_len=n, k_splits=ks),
                         q,
                         k,
@@ -241,7 +253,7 @@ def bench_moe(quick: bool) -> list[dict]:
         sizes = jnp.bincount(jax.random.randint(_key(9), (m,), 0, g), length=g).astype(jnp.int32)
         xq = fp4.quantize(x, fp4.NVFP4)
         ref = moe.fp4_moe_matmul(xq, packed, sizes, backend="xla", out_dtype=jnp.float32)
-        t_bf16 = time_fn(lambda x, w, s: jax.lax.ragged_dot(x, w, s), x, w_bf16, sizes)
+        t_bf16 = _time(quick, lambda x, w, s: jax.lax.ragged_dot(x, w, s), x, w_bf16, sizes)
         # Both Pallas program orders, each checked against the reference on the device.
         variants = {
             "row_tiles": {},
@@ -253,7 +265,7 @@ def bench_moe(quick: bool) -> list[dict]:
             run_fp4 = functools.partial(moe.fp4_moe_matmul, backend="pallas", grid=grid, **extra)
             got = run_fp4(xq, packed, sizes, out_dtype=jnp.float32)
             errs[grid] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            by_grid[grid] = time_fn(lambda a, p, s, f=run_fp4: f(a, p, s), xq, packed, sizes)
+            by_grid[grid] = _time(quick, lambda a, p, s, f=run_fp4: f(a, p, s), xq, packed, sizes)
         best = min(by_grid, key=by_grid.get)
         t_fp4 = by_grid[best]
         out.append(
@@ -349,7 +361,8 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
 
         bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
         t_bf16 = (
-            time_fn(
+            _time(
+                quick,
                 lambda p, c, t: step(p, None, c, t, SiteMode.OFF, False, "xla", False),
                 params,
                 bf16_cache,
@@ -375,7 +388,8 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
             variants += [("full", True, True)]
             for label, capture, full in variants if kb == "pallas" else variants[:1]:
                 t = (
-                    time_fn(
+                    _time(
+                        quick,
                         lambda p, w, c, tk, kb=kb, cap=capture, f=full: step(
                             p, w, c, tk, SiteMode.RTN, cap, kb, f
                         ),

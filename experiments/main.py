@@ -149,6 +149,10 @@ def prepare(cfg) -> RunParts:
     if mesh is not None:
         shard_model(model, mesh)
         shard_optimizer(optimizer, model, mesh)
+    else:  # committed to the device, as a checkpoint restores them: one compile per jitted step
+        device = jax.devices()[0]
+        nnx.update(model, jax.device_put(nnx.state(model), device))
+        nnx.update(optimizer, jax.device_put(nnx.state(optimizer), device))
     sampling = SamplingConfig(
         max_new_tokens=rl.max_new_tokens,
         temperature=rl.temperature,

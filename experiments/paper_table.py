@@ -15,6 +15,15 @@ format, guided_layers). The driver
      `<outdir>/<name>.{md,json,png}`: pass@1 per split (mean +- std over seeds), the average over
      the benchmark splits, and curves of reward, train-rollout gap and test score.
 Nothing is aggregated from unfinished runs: an incomplete table says so and writes nothing.
+
+Parallel workers (e.g. several per GPU: one `small` run leaves an H200 mostly idle): run the SFT
+stage once (`--sft_only`), then start workers with `--shard=i/n`; worker i trains the (run, seed)
+pairs i, i + n, ... of the table and skips finished ones. A plain run afterwards aggregates:
+
+  python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=w --sft_only
+  for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$((i % 2)) python -m experiments.paper_table \
+      --config=configs/table1_nvfp4.py --workdir=w --shard=$i/4 & done; wait
+  python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=w
 """
 
 from __future__ import annotations
@@ -70,21 +79,47 @@ def final_eval(directory: str, steps: int) -> dict | None:
     return rows[-1] if rows else None
 
 
-def train(cfg, workdir: str, *, chunk_steps: int, deadline_s: float | None) -> bool:
-    """Advances every (run, seed); returns True when all are finished."""
+def parse_shard(spec: str) -> tuple[int, int]:
+    """`"i/n"` -> (i, n) with 0 <= i < n; `""` -> (0, 1) (everything)."""
+    if not spec:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like i/n, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {spec!r}: need 0 <= i < n")
+    return i, n
+
+
+def table_pairs(cfg, shard: tuple[int, int] = (0, 1)) -> list[tuple[str, dict, int]]:
+    """The (label, overrides, seed) pairs of the table that worker `shard = (i, n)` trains."""
+    pairs = [(lb, dict(ov), seed) for lb, ov in cfg.table.runs for seed in cfg.table.seeds]
+    i, n = shard
+    return pairs[i::n]
+
+
+def train(
+    cfg,
+    workdir: str,
+    *,
+    chunk_steps: int,
+    deadline_s: float | None,
+    shard: tuple[int, int] = (0, 1),
+) -> bool:
+    """Advances this worker's (run, seed) pairs; returns True when they are all finished."""
     t0 = time.perf_counter()
     sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
     checkpoint = os.path.join(workdir, "sft", "sft_checkpoint")
-    for label, overrides in cfg.table.runs:
-        for seed in cfg.table.seeds:
-            c = run_config(cfg, label, dict(overrides), seed, checkpoint)
-            d = run_dir(workdir, label, seed)
-            while steps_done(d) < c.rl.steps:
-                if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
-                    logging.info("deadline reached; rerun to continue")
-                    return False
-                logging.info("%s seed %d: from step %d", label, seed, steps_done(d))
-                rl_main.run(c, d, stop_after=chunk_steps)
+    for label, overrides, seed in table_pairs(cfg, shard):
+        c = run_config(cfg, label, overrides, seed, checkpoint)
+        d = run_dir(workdir, label, seed)
+        while steps_done(d) < c.rl.steps:
+            if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                logging.info("deadline reached; rerun to continue")
+                return False
+            logging.info("%s seed %d: from step %d", label, seed, steps_done(d))
+            rl_main.run(c, d, stop_after=chunk_steps)
     return True
 
 
@@ -143,14 +178,29 @@ def _plot(cfg, workdir: str, path: str) -> None:
 
 
 def run(
-    cfg, workdir: str, *, outdir: str, chunk_steps: int = 25, deadline_s: float | None = None
+    cfg,
+    workdir: str,
+    *,
+    outdir: str,
+    chunk_steps: int = 25,
+    deadline_s: float | None = None,
+    shard: tuple[int, int] = (0, 1),
+    sft_only: bool = False,
 ) -> list[dict] | None:
-    """Trains what is missing; writes and returns the table once every run is finished."""
+    """Trains what is missing; writes and returns the table once every run is finished.
+
+    `shard = (i, n)` with n > 1: trains worker i's pairs only and writes no table (None);
+    `sft_only`: runs (or reuses) the SFT stage and stops (None).
+    """
     if cfg.rl.steps % cfg.rl.eval_every:
         raise ValueError(
             f"rl.steps={cfg.rl.steps} must be a multiple of rl.eval_every={cfg.rl.eval_every}"
         )
-    if not train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s):
+    if sft_only:
+        sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
+        return None
+    done = train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s, shard=shard)
+    if not done or shard[1] > 1:
         return None
     rows = aggregate(cfg, workdir)
     name = cfg.table.name
@@ -182,9 +232,11 @@ def main(argv):
         outdir=f.outdir,
         chunk_steps=f.chunk_steps,
         deadline_s=f.deadline_s if f.deadline_s > 0 else None,
+        shard=parse_shard(f.shard),
+        sft_only=f.sft_only,
     )
-    if rows is None:
-        print("table incomplete: rerun the same command to continue")
+    if rows is None and not f.sft_only:
+        print("table not written (incomplete, or a --shard worker): rerun without --shard")
 
 
 if __name__ == "__main__":
@@ -193,5 +245,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
     flags.DEFINE_integer("chunk_steps", 25, "GRPO steps per resumable chunk")
     flags.DEFINE_float("deadline_s", 0, "stop starting chunks after this many seconds (0: none)")
+    flags.DEFINE_string("shard", "", "i/n: train only the (run, seed) pairs i, i+n, ... (workers)")
+    flags.DEFINE_bool("sft_only", False, "run (or reuse) the SFT stage and stop")
     flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -1,6 +1,15 @@
-"""Test session set-up: 8 host devices for sharding tests (must precede the first jax import)."""
+"""Test session set-up (must precede the first jax import): 8 host devices for sharding tests,
+and one persistent XLA compilation cache for the session."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
+# Many tests compile the same tiny-model sampler and train steps (in both xdist workers, and in
+# the subprocesses of the disaggregated-runner tests, which inherit this environment); a cache hit
+# skips a 5-15 s CPU compile. Entries are keyed by the computation, devices and flags.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"trace_jax_test_xla_cache_{os.getuid()}"),
+)

@@ -47,10 +47,18 @@ def _score(model, problems, key, **kw):
 def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     monkeypatch.setattr(rl_main, "evaluate_pass_at_1", _score)
     cfg, work, out = _cfg(), tmp_path / "work", tmp_path / "out"
-    # A deadline already passed: the SFT stage runs, no RL chunk starts, nothing is written.
-    assert paper_table.run(cfg, str(work), outdir=str(out), chunk_steps=1, deadline_s=0.0) is None
-    assert (work / "sft" / "sft_checkpoint").exists() and not (out / "t.json").exists()
-    rows = paper_table.run(cfg, str(work), outdir=str(out), chunk_steps=1)
+    kw = dict(outdir=str(out), chunk_steps=1)
+    assert paper_table.run(cfg, str(work), sft_only=True, **kw) is None
+    assert (work / "sft" / "sft_checkpoint").exists() and not (work / "qat").exists()
+    # A deadline already passed: no RL chunk starts, nothing is written.
+    assert paper_table.run(cfg, str(work), deadline_s=0.0, **kw) is None
+    assert not (work / "qat").exists() and not (out / "t.json").exists()
+    # Two workers split the four (run, seed) pairs; neither writes the table.
+    assert paper_table.run(cfg, str(work), shard=(1, 2), **kw) is None
+    done = {(p.parent.name, p.name) for p in work.glob("*/seed*") if (p / "rl_eval.jsonl").exists()}
+    assert done == {("qat", "seed1"), ("trace all", "seed1")} and not (out / "t.json").exists()
+    assert paper_table.run(cfg, str(work), shard=(0, 2), **kw) is None
+    rows = paper_table.run(cfg, str(work), **kw)  # everything finished: aggregates only
     assert [r["run"] for r in rows] == ["qat", "trace all"]
     for row, (label, _) in zip(rows, cfg.table.runs, strict=True):
         finals = []
@@ -68,6 +76,18 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     saved = json.loads((out / "t.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
     assert (out / "t.png").stat().st_size > 0
+
+
+def test_shards_partition_the_pairs():
+    cfg = _cfg()
+    pairs = [(lb, s) for lb, _, s in paper_table.table_pairs(cfg)]
+    assert pairs == [("qat", 0), ("qat", 1), ("trace all", 0), ("trace all", 1)]
+    split = [paper_table.table_pairs(cfg, (i, 3)) for i in range(3)]
+    assert sorted((lb, s) for part in split for lb, _, s in part) == sorted(pairs)
+    assert paper_table.parse_shard("2/3") == (2, 3) and paper_table.parse_shard("") == (0, 1)
+    for bad in ("3/3", "a/b", "1"):
+        with pytest.raises(ValueError, match="--shard"):
+            paper_table.parse_shard(bad)
 
 
 def test_bad_override(tmp_path):

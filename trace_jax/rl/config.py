@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import optax
@@ -171,8 +172,14 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: jax.numpy.ndim(p) >= 2, params)
 
 
+@functools.lru_cache(maxsize=64)
 def make_optimizer(cfg: GRPOConfig, total_steps: int | None = None) -> optax.GradientTransformation:
-    """AdamW on `make_schedule(cfg, total_steps)`, after global-norm gradient clipping."""
+    """AdamW on `make_schedule(cfg, total_steps)`, after global-norm gradient clipping.
+
+    Cached: the transformation is static metadata of `nnx.Optimizer`'s graph, so a new (equal but
+    not identical) object per run would make every jitted train step retrace and recompile in
+    each resumed chunk or table run of the same settings (minutes on the GPU).
+    """
     adamw = optax.adamw(
         make_schedule(cfg, total_steps),
         b1=cfg.adam_b1,
