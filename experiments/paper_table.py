@@ -186,11 +186,14 @@ def run(
     deadline_s: float | None = None,
     shard: tuple[int, int] = (0, 1),
     sft_only: bool = False,
+    aggregate_only: bool = False,
 ) -> list[dict] | None:
     """Trains what is missing; writes and returns the table once every run is finished.
 
     `shard = (i, n)` with n > 1: trains worker i's pairs only and writes no table (None);
-    `sft_only`: runs (or reuses) the SFT stage and stops (None).
+    `sft_only`: runs (or reuses) the SFT stage and stops (None); `aggregate_only`: trains nothing
+    and writes the table from the runs' logs (e.g. brought back from GPU sessions without their
+    checkpoints); an unfinished run is an error.
     """
     if cfg.rl.steps % cfg.rl.eval_every:
         raise ValueError(
@@ -199,9 +202,10 @@ def run(
     if sft_only:
         sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
         return None
-    done = train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s, shard=shard)
-    if not done or shard[1] > 1:
-        return None
+    if not aggregate_only:
+        done = train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s, shard=shard)
+        if not done or shard[1] > 1:
+            return None
     rows = aggregate(cfg, workdir)
     name = cfg.table.name
     cols = ["run", "average", "average_std"]
@@ -234,6 +238,7 @@ def main(argv):
         deadline_s=f.deadline_s if f.deadline_s > 0 else None,
         shard=parse_shard(f.shard),
         sft_only=f.sft_only,
+        aggregate_only=f.aggregate_only,
     )
     if rows is None and not f.sft_only:
         print("table not written (incomplete, or a --shard worker): rerun without --shard")
@@ -247,5 +252,6 @@ if __name__ == "__main__":
     flags.DEFINE_float("deadline_s", 0, "stop starting chunks after this many seconds (0: none)")
     flags.DEFINE_string("shard", "", "i/n: train only the (run, seed) pairs i, i+n, ... (workers)")
     flags.DEFINE_bool("sft_only", False, "run (or reuse) the SFT stage and stop")
+    flags.DEFINE_bool("aggregate_only", False, "train nothing; write the table from the run logs")
     flags.mark_flags_as_required(["config"])
     app.run(main)

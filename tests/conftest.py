@@ -6,6 +6,9 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
+# Tests run tiny models: XLA's compile time dominates their run time, so skip its expensive
+# optimization passes (about 15% less compile time; results are IEEE-exact either way).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Many tests compile the same tiny-model sampler and train steps (in both xdist workers, and in
 # the subprocesses of the disaggregated-runner tests, which inherit this environment); a cache hit
 # skips a 5-15 s CPU compile. Entries are keyed by the computation, devices and flags.

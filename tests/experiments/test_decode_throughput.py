@@ -11,16 +11,14 @@ from experiments import decode_throughput
 
 def test_quick_run_writes_rows(tmp_path):
     rows = decode_throughput.run(
-        quick=True, lengths=[4, 6], variants=["bf16", "fp4 xla"], outdir=str(tmp_path),
+        quick=True, lengths=[4], variants=["bf16", "fp4 xla"], outdir=str(tmp_path),
         name="dt", batch=2, repeats=1,
     )  # fmt: skip
-    assert [(r["output_length"], r["variant"]) for r in rows] == [
-        (4, "bf16"), (4, "fp4 xla"), (6, "bf16"), (6, "fp4 xla"),
-    ]  # fmt: skip
+    assert [(r["output_length"], r["variant"]) for r in rows] == [(4, "bf16"), (4, "fp4 xla")]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(2 * r["output_length"] / r["seconds"])
         assert r["speedup_vs_bf16"] > 0
-    assert [r["speedup_vs_bf16"] for r in rows if r["variant"] == "bf16"] == [1.0, 1.0]
+    assert [r["speedup_vs_bf16"] for r in rows if r["variant"] == "bf16"] == [1.0]
     saved = json.loads((tmp_path / "dt.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and "device" in saved["meta"]
     assert "QUICK MODE" in (tmp_path / "dt.md").read_text()

@@ -30,7 +30,9 @@ def _cfg():
             "seeds": (0, 1),
             "runs": (
                 ("qat", {"rl.method": "fp4_qat"}),
-                ("trace all", {"rl.method": "trace", "rl.guided_layers": "all"}),
+                # Same method, another learning rate: different weights, shared compiled rollout
+                # (CI time); method and layer overrides are plain rl.* fields like this one.
+                ("qat lr", {"rl.method": "fp4_qat", "rl.learning_rate": 3e-3}),
             ),
         }
     )
@@ -56,10 +58,10 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     # Two workers split the four (run, seed) pairs; neither writes the table.
     assert paper_table.run(cfg, str(work), shard=(1, 2), **kw) is None
     done = {(p.parent.name, p.name) for p in work.glob("*/seed*") if (p / "rl_eval.jsonl").exists()}
-    assert done == {("qat", "seed1"), ("trace all", "seed1")} and not (out / "t.json").exists()
+    assert done == {("qat", "seed1"), ("qat lr", "seed1")} and not (out / "t.json").exists()
     assert paper_table.run(cfg, str(work), shard=(0, 2), **kw) is None
     rows = paper_table.run(cfg, str(work), **kw)  # everything finished: aggregates only
-    assert [r["run"] for r in rows] == ["qat", "trace all"]
+    assert [r["run"] for r in rows] == ["qat", "qat lr"]
     for row, (label, _) in zip(rows, cfg.table.runs, strict=True):
         finals = []
         for seed in (0, 1):
@@ -75,13 +77,23 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
         np.testing.assert_allclose(row["average"], np.mean([f["aime24"] for f in finals]))
     saved = json.loads((out / "t.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
+    # From the run logs alone (no checkpoints, no SFT stage: as brought back from a GPU session).
+    logs = tmp_path / "logs"
+    for f in work.glob("*/seed*/rl_*.jsonl"):
+        (logs / f.relative_to(work)).parent.mkdir(parents=True, exist_ok=True)
+        (logs / f.relative_to(work)).write_bytes(f.read_bytes())
+    again = paper_table.run(cfg, str(logs), aggregate_only=True, **kw)
+    assert json.loads(json.dumps(again)) == saved
+    (logs / "qat" / "seed1" / "rl_eval.jsonl").unlink()
+    with pytest.raises(RuntimeError, match="qat seed 1 has no final evaluation"):
+        paper_table.run(cfg, str(logs), aggregate_only=True, **kw)
     assert (out / "t.png").stat().st_size > 0
 
 
 def test_shards_partition_the_pairs():
     cfg = _cfg()
     pairs = [(lb, s) for lb, _, s in paper_table.table_pairs(cfg)]
-    assert pairs == [("qat", 0), ("qat", 1), ("trace all", 0), ("trace all", 1)]
+    assert pairs == [("qat", 0), ("qat", 1), ("qat lr", 0), ("qat lr", 1)]
     split = [paper_table.table_pairs(cfg, (i, 3)) for i in range(3)]
     assert sorted((lb, s) for part in split for lb, _, s in part) == sorted(pairs)
     assert paper_table.parse_shard("2/3") == (2, 3) and paper_table.parse_shard("") == (0, 1)

@@ -130,8 +130,9 @@ def test_round_trip_in_memory(rollout_guidance):
         assert store.read_manifest(RUN, 7, 2)["policy_version"] == 3
 
 
-def test_file_layout_uses_sharding_with_crc32c(tmp_path, rollout_guidance):
-    with file_store(tmp_path) as store:
+@pytest.mark.parametrize("durable", [False, True])
+def test_file_layout_uses_sharding_with_crc32c(tmp_path, rollout_guidance, durable):
+    with file_store(tmp_path, durable=durable) as store:
         store.write(RUN, 0, rollout_guidance, policy_version=0)
         got = store.read(RUN, 0, expected_version=0)
     assert_same_guidance(rollout_guidance, got)

@@ -1,0 +1,36 @@
+"""The guidance-store benchmark: real shapes of the method's sites, both durability settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import bench_guidance_store as bench
+from trace_jax.models import ModelConfig
+
+
+def test_guidance_has_the_sites_and_shapes_of_the_method():
+    cfg = ModelConfig.tiny()
+    g = bench.random_guidance(cfg, "trace", "nvfp4", rows=3, tokens=5)
+    assert set(g) == {
+        f"{layer}/{s}" for layer in (2, 3) for s in ("expert_in", "expert_mid", "k", "v")
+    }
+    assert g["3/expert_in"].shape == (3, 5, cfg.d_model)
+    assert g["2/expert_mid"].shape == (3, 5, cfg.top_k, cfg.d_ff_expert)
+    assert g["2/k"].shape == (3, 5, cfg.n_kv_heads, cfg.head_dim)
+    full = bench.random_guidance(cfg, "trace_full", "nvfp4", rows=3, tokens=5)
+    assert len(full) == 4 * cfg.n_layers and full["0/v"].payload.shape[-1] == cfg.head_dim // 2
+
+
+def test_quick_run_writes_rows(tmp_path):
+    rows = bench.run(preset="tiny", method="trace", fmt="nvfp4", rows=4, tokens=6,
+                     mini_batches=2, steps=1, outdir=str(tmp_path), name="gs")  # fmt: skip
+    assert [r["durable"] for r in rows] == [True, False]
+    for r in rows:
+        assert r["round_trip_s"] == pytest.approx(r["write_s"] + r["read_s"])
+        assert r["MB_per_step"] > 0 and r["write_MBps"] > 0
+    assert json.loads((tmp_path / "gs.json").read_text())["rows"] == json.loads(json.dumps(rows))
+    with pytest.raises(ValueError, match="captures no guidance"):
+        bench.run(preset="tiny", method="fp4_qat", fmt="nvfp4", rows=4, tokens=6,
+                  mini_batches=2, steps=1, outdir=str(tmp_path), name="x")  # fmt: skip
