@@ -18,7 +18,9 @@
 #
 #   tar xzf runs.tgz -C experiments/results/runs/NAME
 #   python -m experiments.paper_table --config=CONFIG --workdir=experiments/results/runs/NAME \
-#       --aggregate_only
+#       --aggregate_only        # with the same config overrides as $EXTRA, if any
+#
+# Checked as a CPU dry run (tiny overrides in $EXTRA, 2 workers: SFT, 5 runs, logs, aggregate).
 set -u
 CONFIG=$1 NAME=$2 WORKERS=${3:-4} DEADLINE=${4:-1200}
 W=/tmp/table_$NAME
