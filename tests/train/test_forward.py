@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.train_rollout_gap import router_agreement as numpy_agreement
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rollout import SamplingConfig, generate
 from trace_jax.train import train_forward
+from trace_jax.train.forward import router_agreement
 
 CFG = ModelConfig.tiny(init_std=0.08)  # bf16 compute, as the real stacks
 QCFG = QuantConfig.nvfp4()
@@ -146,3 +148,20 @@ def test_missing_guidance_is_an_error(setup):
     model, roll = setup
     with pytest.raises(ValueError, match="no rollout guidance for sites"):
         train_forward(model, roll, qcfg=QCFG, mode=SiteMode.GUIDED, guidance={})
+
+
+def test_router_agreement_against_numpy():
+    """The trainer router's own top-k vs the rollout's experts, on processed tokens only."""
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((3, 4, 6, 8)).astype(np.float32)  # [L, B, T, E]
+    own = np.argsort(-probs, axis=-1)[..., :2]  # the trainer's top-2
+    rollout = own.copy()
+    flip = rng.random(rollout.shape[:-1]) < 0.4  # some tokens: the rollout's 2nd expert differs
+    rollout[..., 1] = np.where(flip, np.argsort(-probs, axis=-1)[..., 5], rollout[..., 1])
+    processed = rng.random((4, 6)) < 0.7
+    got = float(router_agreement(jnp.asarray(probs), jnp.asarray(rollout), jnp.asarray(processed)))
+    np.testing.assert_allclose(got, numpy_agreement(own, rollout, processed), rtol=1e-6)
+    assert 0.5 < got < 1.0
+    same = float(router_agreement(jnp.asarray(probs), jnp.asarray(own), jnp.asarray(processed)))
+    assert same == 1.0

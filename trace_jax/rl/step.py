@@ -122,6 +122,7 @@ def policy_loss(
         **metrics,
         **{f"train_rollout_{k}": v for k, v in gap.items()},
         "router_aux_loss": out.router_aux_loss,
+        "router_agreement": out.router_agreement,
         "guidance_rtn_fallback_rows": rows - guided,
     }
 

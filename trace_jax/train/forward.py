@@ -29,6 +29,9 @@ class TrainForward:
     logprobs: float32 [B, S], log-prob of `rollout.tokens[b, s]` at response slots (0 elsewhere).
     expert_choices: int32 [L, B, S, K], the experts the trainer used.
     router_aux_loss: float32 scalar.
+    router_agreement: float32 scalar, the mean over processed tokens and layers of the fraction of
+      the rollout's top-k experts that the trainer's own router also ranks in its top-k (1 when
+      they agree; measured whether or not routing is replayed).
     stats: site key -> code-mismatch statistics against the reference codes (if given).
     coverage: site key -> {"rows", "guided_rows"} counts (guided mode): rows without guidance
       fell back to round-to-nearest.
@@ -37,6 +40,7 @@ class TrainForward:
     logprobs: jax.Array
     expert_choices: jax.Array
     router_aux_loss: jax.Array
+    router_agreement: jax.Array
     stats: dict[str, dict[str, jax.Array]]
     coverage: dict[str, dict[str, jax.Array]]
 
@@ -46,6 +50,15 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> 
     lp = policy_logprobs(logits[:, :-1], temperature)
     picked = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def router_agreement(probs: jax.Array, rollout_experts: jax.Array, processed: jax.Array):
+    """Mean fraction of the rollout's experts `[L, B, T, K]` among the top-k of the trainer's
+    router probabilities `[L, B, T, E]`, over the tokens where `processed [B, T]` is True."""
+    own = jax.lax.top_k(jax.lax.stop_gradient(probs), rollout_experts.shape[-1])[1]
+    same = (own[..., :, None] == rollout_experts[..., None, :]).any(-1).mean(-1)  # [L, B, T]
+    m = jnp.broadcast_to(processed, same.shape)
+    return jnp.sum(jnp.where(m, same, 0.0)) / jnp.maximum(jnp.sum(m), 1)
 
 
 def train_forward(
@@ -94,6 +107,9 @@ def train_forward(
         logprobs=jnp.where(rollout.response_mask, lp, 0.0),
         expert_choices=aux["topk_idx"],
         router_aux_loss=aux["router_aux_loss"],
+        router_agreement=router_agreement(
+            aux["router_probs"], rollout.expert_choices, rollout.processed
+        ),
         stats=sites.stats,
         coverage=sites.coverage,
     )
