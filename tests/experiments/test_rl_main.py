@@ -123,6 +123,8 @@ def test_run_on_a_data_expert_mesh_matches_one_device(tmp_path, uninterrupted):
     parts = rl_main.prepare(cfg)
     w = parts.model.layers[0].moe.w_up[...]
     assert w.sharding.spec[0] == "expert" and len(w.sharding.device_set) == 8
+    rows = parts.on_mesh(np.zeros((4, 3), np.int32), 4)  # rollout rows split over "data"
+    assert rows.sharding.spec[0] == "data" and len(rows.sharding.device_set) == 8
     (got,) = rl_main.run(cfg, str(tmp_path / "mesh"), stop_after=1)
     want = uninterrupted[1][0]
     for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length"):

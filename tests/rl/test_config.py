@@ -79,3 +79,13 @@ def test_optimizer_steps_a_param_tree():
     # clipping: the Adam moments saw the clipped gradient (global norm 1), not 1e30
     mu = [s for s in jax.tree.leaves(state) if getattr(s, "shape", None) == (2, 3)]
     assert mu and all(float(jnp.max(jnp.abs(x))) < 1.0 for x in mu)
+
+
+def test_make_optimizer_is_one_object_per_setting():
+    """The transformation is static metadata of nnx.Optimizer: an equal setting must give the
+    identical object, or every run and resumed chunk recompiles its jitted train step."""
+    from trace_jax.rl.config import GRPOConfig, make_optimizer
+
+    a = make_optimizer(GRPOConfig(learning_rate=1e-3), 10)
+    assert make_optimizer(GRPOConfig(learning_rate=1e-3), 10) is a
+    assert make_optimizer(GRPOConfig(learning_rate=2e-3), 10) is not a
