@@ -85,6 +85,56 @@ def test_stop_tokens_end_rows(model):
         assert len(new) == (hits[0] + 1 if len(hits) else 6)
 
 
+def test_records_of_rows_that_end_early_sit_at_their_slots(model):
+    """Expert choices and guidance of rows ending at different steps (a stop token, the length
+    limit) equal each row's records generated alone at every processed slot, and slots after a
+    row's end keep the empty buffer's values."""
+    prompts, lengths = _prompts()
+    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
+    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,))
+    keys = QCFG.all_keys(CFG32.n_layers)
+    kw = dict(qcfg=QCFG, mode=SiteMode.RTN, sampling=sampling, capture=keys)
+    with jax.default_matmul_precision("highest"):
+        batch = _generate(model, prompts, lengths, **kw)
+        alone = [_generate(model, prompts[b : b + 1], lengths[b : b + 1], **kw) for b in range(3)]
+    ends = np.asarray(batch.lengths) - np.asarray(lengths)
+    assert ends[0] == 2 and len(set(ends.tolist())) > 1  # rows end at different steps
+    proc = np.asarray(batch.processed)
+    for b, r in enumerate(alone):
+        np.testing.assert_array_equal(np.asarray(r.processed)[0], proc[b])
+        p = proc[b]
+        np.testing.assert_array_equal(
+            np.asarray(batch.expert_choices)[:, b, p], np.asarray(r.expert_choices)[:, 0, p]
+        )
+        assert (np.asarray(batch.expert_choices)[:, b, ~p] == 0).all()
+        for k in keys:  # compact guidance: payload bits, block scales, global scale
+            ga, gb = batch.guidance[k], r.guidance[k]
+            assert ga.mode is fp4.GuidanceMode.COMPACT
+            for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+                u, v = np.asarray(u)[b, p], np.asarray(v)[0, p]
+                if u.dtype == np.float32:  # global scales: batch size moves the last bit
+                    np.testing.assert_allclose(u, v, rtol=1e-6)
+                else:
+                    np.testing.assert_array_equal(u, v)
+            assert (np.asarray(ga.payload)[b, ~p] == 0).all()
+    # Slot alignment against an independent path: teacher-forced prefill of each finished row
+    # (all its tokens as the prompt) records its guidance at the same slots.
+    tokens = np.asarray(batch.tokens)
+    for b in range(3):
+        n = int(batch.lengths[b])
+        one = SamplingConfig(max_new_tokens=1, temperature=0.0)
+        with jax.default_matmul_precision("highest"):
+            tf = _generate(
+                model, jnp.asarray(tokens[b : b + 1, :n]), jnp.array([n]), **{**kw, "sampling": one}
+            )
+        p = proc[b][:n]  # processed slots [0, n - 1)
+        for k in keys:
+            u = np.asarray(batch.guidance[k].payload)[b, :n][p]
+            v = np.asarray(tf.guidance[k].payload)[0, :n][p]
+            assert (u == v).mean() > 0.98, (k, (u == v).mean())
+
+
 def test_temperature_sampling_and_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     np.testing.assert_array_equal(

@@ -101,18 +101,34 @@ def _guidance_buffer(g: Guidance, n_slots: int) -> Guidance:
     )
 
 
-def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
-    def put(b, v):
-        return None if b is None else _write_slots(b, v, slots)
+def _map_guidance(fn, *gs: Guidance) -> Guidance:
+    """Applies `fn` to the payload, scales and global scale (where present) of guidance `gs`."""
+    g0 = gs[0]
 
-    return Guidance(
-        put(buf.payload, g.payload),
-        put(buf.scales, g.scales),
-        put(buf.global_scale, g.global_scale),
-        None,
-        buf.fmt,
-        buf.mode,
-    )
+    def part(name):
+        parts = [getattr(g, name) for g in gs]
+        return None if parts[0] is None else fn(*parts)
+
+    return Guidance(part("payload"), part("scales"), part("global_scale"), None, g0.fmt, g0.mode)
+
+
+def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
+    return _map_guidance(lambda b, v: _write_slots(b, v, slots), buf, g)
+
+
+def _write_step(buf: jax.Array, value: jax.Array, j: jax.Array) -> jax.Array:
+    """`buf[j] = value`: one in-place dynamic-update-slice, the same index for every row.
+
+    (Writing each step straight to its token slots would need one scatter per array and step,
+    since rows sit at different slots: ~50 scatters per decode step with guidance on.)
+    """
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), j, 0)
+
+
+def _steps_to_slots(buf: jax.Array, steps: jax.Array, slots: jax.Array, axis: int = 1) -> jax.Array:
+    """Writes step-indexed `steps [T, ..., B, 1, ...]` (B at `axis - 1`) at `slots [B, T]`."""
+    value = jnp.moveaxis(steps[(slice(None),) * (axis + 1) + (0,)], 0, axis)
+    return _write_slots(buf, value, slots, axis)
 
 
 def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
@@ -238,22 +254,43 @@ def generate(
         n, done = state[0], state[4]
         return (n < n_new) & ~jnp.all(done)
 
-    def body(state):
-        n, tok, tokens, logprobs, done, lengths, cache, experts, guidance = state
-        active = ~done
-        slots = (lengths - 1)[:, None]  # the slot of the token fed now
-        sites = new_sites()
-        logits, aux, cache = decode_step(model, cache, tok, site=sites, active=active)
-        w_slots = jnp.where(active[:, None], slots, s_total)
-        experts = _write_slots(experts, aux["topk_idx"], w_slots, axis=2)
-        caps = _captures(sites, capture_mode)
-        guidance = {k: _write_guidance(guidance[k], caps[k], w_slots) for k in guidance}
-        tok, tokens, logprobs, done, lengths = sample_at(n, logits, tokens, logprobs, done, lengths)
-        return n + 1, tok, tokens, logprobs, done, lengths, cache, experts, guidance
+    # Decode step n (1 <= n < n_new) feeds each active row's token at slot `prompt_len + n - 1`.
+    # Its expert choices and guidance go to step-indexed buffers (entry n - 1) and are moved to
+    # those slots once after the loop.
+    n_steps = max(n_new - 1, 1)
 
-    state = (1, tok, tokens, logprobs, done, lengths, cache, experts, guidance)
+    def step_buffer(a):  # for records [B, 1, ...] of one step, like the prefill's [B, P, ...]
+        return jnp.zeros((n_steps, a.shape[0], 1, *a.shape[2:]), a.dtype)
+
+    steps0 = (
+        jnp.zeros((n_steps, cfg.n_layers, b, 1, cfg.top_k), jnp.int32),
+        {k: _map_guidance(step_buffer, g) for k, g in guidance.items()},
+    )
+
+    def body(state):
+        n, tok, tokens, logprobs, done, lengths, cache, steps = state
+        sites = new_sites()
+        logits, aux, cache = decode_step(model, cache, tok, site=sites, active=~done)
+        records = (aux["topk_idx"], _captures(sites, capture_mode))
+        steps = jax.tree.map(lambda buf, v: _write_step(buf, v, n - 1), steps, records)
+        tok, tokens, logprobs, done, lengths = sample_at(n, logits, tokens, logprobs, done, lengths)
+        return n + 1, tok, tokens, logprobs, done, lengths, cache, steps
+
+    state = (1, tok, tokens, logprobs, done, lengths, cache, steps0)
     state = jax.lax.while_loop(cond, body, state)
-    _, _, tokens, logprobs, _, lengths, _, experts, guidance = state
+    _, _, tokens, logprobs, _, lengths, _, (expert_steps, guidance_steps) = state
+    # Step j fed slot prompt_len + j; slots at or after a row's last token were not processed
+    # (the row had finished, or the loop stopped) and keep their empty values.
+    j = jnp.arange(n_steps, dtype=jnp.int32)[None, :]
+    step_slots = prompt_lengths[:, None] + j
+    step_slots = jnp.where(step_slots < (lengths - 1)[:, None], step_slots, s_total)
+    experts = _steps_to_slots(experts, expert_steps, step_slots, axis=2)
+    guidance = {
+        k: _map_guidance(
+            lambda buf, v: _steps_to_slots(buf, v, step_slots), guidance[k], guidance_steps[k]
+        )
+        for k in guidance
+    }
     s = jnp.arange(s_total)[None, :]
     response_mask = (s >= prompt_lengths[:, None]) & (s < lengths[:, None])
     return Rollout(
