@@ -44,6 +44,7 @@ from trace_jax.models import (
 )
 from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
+from trace_jax.rollout.sampler import pack_rows
 
 
 def _time(quick: bool, fn, *args, **kw) -> float:
@@ -338,26 +339,29 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
                 kernel_backend=kb,
                 packed_experts=packed if kb == "pallas" else None,
             )
-            logits, _, cache = decode_step(nnx.merge(graphdef, params), cache, tok, site=sites)
-            return logits, sites.captured_guidance("full" if full else "compact"), cache
+            logits, aux, cache = decode_step(nnx.merge(graphdef, params), cache, tok, site=sites)
+            g = sites.captured_guidance("full" if full else "compact")
+            # A step's records as the sampler keeps them: experts and guidance in one byte row.
+            row = pack_rows([jnp.moveaxis(aux["topk_idx"], 1, 0), *jax.tree.leaves(g)])
+            return logits, row, cache
 
         def step(params, packed, cache, tok, mode, capture, kb, full):
             # `n_steps` decode steps in one jitted loop, as the sampler runs them (one call per
-            # step would time the dispatch of its outputs at short contexts); the guidance of
-            # every step is kept in buffers, as the sampler keeps it. Returns the last logits.
+            # step would time the dispatch of its outputs at short contexts); every step's records
+            # go to a step-indexed buffer, as in the sampler. Returns the last logits.
             args = (params, packed, cache, tok, mode, capture, kb, full)
-            shapes = jax.eval_shape(lambda: one_step(*args)[1])
-            bufs = jax.tree.map(lambda a: jnp.zeros((n_steps, *a.shape), a.dtype), shapes)
+            row = jax.eval_shape(lambda: one_step(*args)[1])
+            rows = jnp.zeros((n_steps, *row.shape), row.dtype)
 
             def body(i, carry):
-                cache, tok, bufs, _ = carry
-                logits, g, cache = one_step(params, packed, cache, tok, mode, capture, kb, full)
-                bufs = jax.tree.map(lambda buf, x: buf.at[i].set(x), bufs, g)
-                return cache, jnp.argmax(logits, -1).astype(jnp.int32), bufs, logits
+                cache, tok, rows, _ = carry
+                logits, row, cache = one_step(params, packed, cache, tok, mode, capture, kb, full)
+                rows = jax.lax.dynamic_update_index_in_dim(rows, row, i, 0)
+                return cache, jnp.argmax(logits, -1).astype(jnp.int32), rows, logits
 
-            init = (cache, tok, bufs, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-            _, _, bufs, logits = jax.lax.fori_loop(0, n_steps, body, init)
-            return logits, bufs
+            init = (cache, tok, rows, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+            _, _, rows, logits = jax.lax.fori_loop(0, n_steps, body, init)
+            return logits, rows
 
         bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
         t_bf16 = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,6 +13,7 @@ from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rollout import Rollout, SamplingConfig, generate
+from trace_jax.rollout.sampler import pack_rows, unpack_rows
 from trace_jax.rollout.sampling import filter_logits
 from trace_jax.train import train_forward
 
@@ -321,3 +323,29 @@ def test_pallas_backend_runs_prequantized_weights_unpacked():
         for kb in ("xla", "pallas")
     ]  # fmt: skip
     np.testing.assert_array_equal(np.asarray(out[0].tokens), np.asarray(out[1].tokens))
+
+
+def test_pack_rows_round_trips_mixed_dtypes():
+    """A decode step's records (int32 experts, uint8 payload, FP8 scales, f32 global scales)
+    packed into one byte row per batch row and back, against numpy's own byte views."""
+    rng = np.random.default_rng(0)
+    b = 3
+    arrays = [
+        rng.integers(-(2**31), 2**31 - 1, (b, 4, 1, 2), dtype=np.int32),
+        rng.integers(0, 256, (b, 1, 5), dtype=np.uint8),
+        rng.normal(size=(b, 1, 2, 3)).astype(ml_dtypes.float8_e4m3fn),
+        (2.0 ** rng.integers(-8, 8, (b, 1, 7))).astype(ml_dtypes.float8_e8m0fnu),
+        rng.normal(size=(b, 1, 1)).astype(np.float32),
+    ]
+    packed = np.asarray(pack_rows([jnp.asarray(a) for a in arrays]))
+    want = np.concatenate([a.reshape(b, -1).view(np.uint8).reshape(b, -1) for a in arrays], 1)
+    np.testing.assert_array_equal(packed, want)
+    # Unpacked with a leading step axis, as the sampler's step buffers are.
+    steps = np.stack([packed, packed[::-1]])
+    like = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    for a, u in zip(arrays, unpack_rows(jnp.asarray(steps), like), strict=True):
+        assert u.dtype == a.dtype and u.shape == (2, *a.shape)
+        np.testing.assert_array_equal(np.asarray(u[0]).view(np.uint8), a.view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(u[1]).view(np.uint8), a[::-1].view(np.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_rows(jnp.asarray(packed), like[:-1])
