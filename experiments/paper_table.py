@@ -92,9 +92,16 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def table_pairs(cfg, shard: tuple[int, int] = (0, 1)) -> list[tuple[str, dict, int]]:
-    """The (label, overrides, seed) pairs of the table that worker `shard = (i, n)` trains."""
-    pairs = [(lb, dict(ov), seed) for lb, ov in cfg.table.runs for seed in cfg.table.seeds]
+def table_pairs(
+    cfg, shard: tuple[int, int] = (0, 1), labels: tuple[str, ...] = ()
+) -> list[tuple[str, dict, int]]:
+    """The (label, overrides, seed) pairs that worker `shard = (i, n)` trains, of the runs named
+    in `labels` (all runs when empty)."""
+    known = [lb for lb, _ in cfg.table.runs]
+    if unknown := sorted(set(labels) - set(known)):
+        raise ValueError(f"--runs {unknown} are not runs of table {cfg.table.name}: {known}")
+    runs = [(lb, ov) for lb, ov in cfg.table.runs if not labels or lb in labels]
+    pairs = [(lb, dict(ov), seed) for lb, ov in runs for seed in cfg.table.seeds]
     i, n = shard
     return pairs[i::n]
 
@@ -106,12 +113,13 @@ def train(
     chunk_steps: int,
     deadline_s: float | None,
     shard: tuple[int, int] = (0, 1),
+    labels: tuple[str, ...] = (),
 ) -> bool:
     """Advances this worker's (run, seed) pairs; returns True when they are all finished."""
     t0 = time.perf_counter()
     sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
     checkpoint = os.path.join(workdir, "sft", "sft_checkpoint")
-    for label, overrides, seed in table_pairs(cfg, shard):
+    for label, overrides, seed in table_pairs(cfg, shard, labels):
         c = run_config(cfg, label, overrides, seed, checkpoint)
         d = run_dir(workdir, label, seed)
         while steps_done(d) < c.rl.steps:
@@ -185,12 +193,14 @@ def run(
     chunk_steps: int = 25,
     deadline_s: float | None = None,
     shard: tuple[int, int] = (0, 1),
+    labels: tuple[str, ...] = (),
     sft_only: bool = False,
     aggregate_only: bool = False,
 ) -> list[dict] | None:
     """Trains what is missing; writes and returns the table once every run is finished.
 
     `shard = (i, n)` with n > 1: trains worker i's pairs only and writes no table (None);
+    `labels`: trains only these runs (all seeds) and writes no table (None);
     `sft_only`: runs (or reuses) the SFT stage and stops (None); `aggregate_only`: trains nothing
     and writes the table from the runs' logs (e.g. brought back from GPU sessions without their
     checkpoints); an unfinished run is an error.
@@ -203,8 +213,10 @@ def run(
         sft.run_or_reuse(cfg, os.path.join(workdir, "sft"))
         return None
     if not aggregate_only:
-        done = train(cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s, shard=shard)
-        if not done or shard[1] > 1:
+        done = train(
+            cfg, workdir, chunk_steps=chunk_steps, deadline_s=deadline_s, shard=shard, labels=labels
+        )
+        if not done or shard[1] > 1 or labels:
             return None
     rows = aggregate(cfg, workdir)
     name = cfg.table.name
@@ -237,11 +249,12 @@ def main(argv):
         chunk_steps=f.chunk_steps,
         deadline_s=f.deadline_s if f.deadline_s > 0 else None,
         shard=parse_shard(f.shard),
+        labels=tuple(f.runs),
         sft_only=f.sft_only,
         aggregate_only=f.aggregate_only,
     )
     if rows is None and not f.sft_only:
-        print("table not written (incomplete, or a --shard worker): rerun without --shard")
+        print("table not written (incomplete, --shard or --runs): rerun without them")
 
 
 if __name__ == "__main__":
@@ -251,6 +264,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("chunk_steps", 25, "GRPO steps per resumable chunk")
     flags.DEFINE_float("deadline_s", 0, "stop starting chunks after this many seconds (0: none)")
     flags.DEFINE_string("shard", "", "i/n: train only the (run, seed) pairs i, i+n, ... (workers)")
+    flags.DEFINE_list("runs", [], "train only these runs of the table (labels; default: all)")
     flags.DEFINE_bool("sft_only", False, "run (or reuse) the SFT stage and stop")
     flags.DEFINE_bool("aggregate_only", False, "train nothing; write the table from the run logs")
     flags.mark_flags_as_required(["config"])

@@ -100,6 +100,14 @@ def test_shards_partition_the_pairs():
     for bad in ("3/3", "a/b", "1"):
         with pytest.raises(ValueError, match="--shard"):
             paper_table.parse_shard(bad)
+    # --runs: only the named runs, every seed, still split by shard.
+    only = [(lb, s) for lb, _, s in paper_table.table_pairs(cfg, labels=("qat lr",))]
+    assert only == [("qat lr", 0), ("qat lr", 1)]
+    assert [(lb, s) for lb, _, s in paper_table.table_pairs(cfg, (1, 2), ("qat lr",))] == [
+        ("qat lr", 1)
+    ]
+    with pytest.raises(ValueError, match="not runs of table"):
+        paper_table.table_pairs(cfg, labels=("qat", "bf16"))
 
 
 def test_bad_override(tmp_path):
