@@ -34,7 +34,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import sft
-from experiments.metrics_log import MetricsLog
+from experiments.metrics_log import MetricsLog, drop_rows_from
 from trace_jax import tasks
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
@@ -330,7 +330,9 @@ def _mismatch_metrics(stats) -> dict[str, float]:
             n_mis + int(st["n_mismatch"]),
             n_one + int(st["n_one_apart"]),
         )
-    out["code_mismatch"] = n_mis / max(n, 1)
+    if not n:  # the trainer quantizes nothing (bf16 training, QUADS): no codes to compare
+        return out
+    out["code_mismatch"] = n_mis / n
     if n_mis:  # undefined without mismatches (and NaN would litter the logs)
         out["one_apart_fraction"] = n_one / n_mis
     return out
@@ -356,6 +358,18 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         nnx.update(optimizer, restored["opt"])
         logging.info("resumed from step %d", start - 1)
     store = GuidanceStore(GuidanceStoreConfig(kvstore=os.path.join(workdir, "guidance")))
+    # What an interrupted attempt did after the checkpoint is redone: drop its guidance entries
+    # (the store refuses to overwrite committed ones) and its log rows.
+    stale = store.discard_from(parts.run_id, start)
+    dropped = {name: drop_rows_from(workdir, name, start) for name in ("rl_metrics", "rl_eval")}
+    if stale or any(dropped.values()):
+        logging.info(
+            "resuming at step %d: dropped %d guidance entries, %s log rows of an "
+            "interrupted attempt",
+            start,
+            len(stale),
+            dropped,
+        )
     history = []
     with MetricsLog(workdir, "rl_metrics", append=bool(start)) as log, store, parts.mesh_context():
         for step in tqdm(

@@ -19,6 +19,24 @@ from typing import Any
 from tensorboardX import SummaryWriter
 
 
+def drop_rows_from(workdir: str, name: str, step: int) -> int:
+    """Removes the rows of `<workdir>/<name>.jsonl` at `step` and later; returns how many.
+
+    A run resumed from its checkpoint at step `step - 1` repeats the steps after it: rows an
+    interrupted attempt logged for them would otherwise appear twice.
+    """
+    path = os.path.join(workdir, f"{name}.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] < step]
+    if len(kept) < len(lines):
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in kept)
+    return len(lines) - len(kept)
+
+
 class MetricsLog:
     """JSONL (`<workdir>/<name>.jsonl`) + TensorBoard writer for one record of a run."""
 

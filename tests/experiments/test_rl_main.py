@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -12,6 +13,8 @@ from flax import nnx
 from configs import tiny_cpu
 from experiments import main as rl_main
 from experiments import sft
+from trace_jax import fp4
+from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import init_model
 
 
@@ -43,10 +46,23 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, uninterrupted):
     workdir_a, full = uninterrupted
     first = rl_main.run(cfg, str(tmp_path / "b"), stop_after=2)
     assert [h["step"] for h in first] == [0, 1]
+    # The attempt went on past its last checkpoint (step 1) and was killed mid-step 2: it had
+    # committed step 2's guidance and logged rows that the resumed run must not see.
+    (run_id,) = os.listdir(tmp_path / "b" / "guidance")
+    x = jax.random.normal(jax.random.key(0), (2, 16))
+    with GuidanceStore(GuidanceStoreConfig(kvstore=str(tmp_path / "b" / "guidance"))) as store:
+        store.write(
+            run_id, 2, {"0/k": fp4.make_guidance(fp4.quantize(x, "nvfp4"))}, policy_version=4
+        )
+        assert store.entries(run_id) == [(2, 0)]
+    for name in ("rl_metrics", "rl_eval"):
+        with open(tmp_path / "b" / f"{name}.jsonl", "a") as f:
+            f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n")
     rest = rl_main.run(cfg, str(tmp_path / "b"))
     assert [h["step"] for h in rest] == [2]
     logged = [json.loads(x) for x in (tmp_path / "b" / "rl_metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in logged] == [0, 1, 2]
+    assert [h["step"] for h in logged] == [0, 1, 2] and logged[2]["reward"] >= 0
+    assert not (tmp_path / "b" / "rl_eval.jsonl").read_text().strip()  # eval_every = 0
     for a, b in zip(full, first + rest, strict=True):
         for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
@@ -109,6 +125,23 @@ def test_mismatch_steps_log_per_site_code_mismatch(tmp_path):
     assert 0 < qat["code_mismatch"] < 0.05 and 0.5 < qat["one_apart_fraction"] <= 1
     assert 0 <= trace["code_mismatch"] < qat["code_mismatch"]
     assert trace["guidance_rtn_fallback_rows"] == 0
+
+
+def test_mismatch_metrics_only_from_measured_codes():
+    """Code mismatch over all sites, weighted by element count; no number at all when the
+    trainer quantizes no site (bf16 training, QUADS), not a 0 that was never measured."""
+    stats = {
+        "1/k": {"mismatch": 0.5, "n_elements": 10, "n_mismatch": 5, "n_one_apart": 4},
+        "0/k": {"mismatch": 0.0, "n_elements": 30, "n_mismatch": 0, "n_one_apart": 0},
+    }
+    out = rl_main._mismatch_metrics(stats)
+    assert out == {
+        "mismatch/0/k": 0.0,
+        "mismatch/1/k": 0.5,
+        "code_mismatch": 5 / 40,
+        "one_apart_fraction": 4 / 5,
+    }
+    assert rl_main._mismatch_metrics({}) == {}
 
 
 @pytest.mark.xdist_group("uninterrupted_run")

@@ -357,7 +357,7 @@ def test_policy_versions():
     store.close()
 
 
-def test_gc_removes_consumed_steps_only(tmp_path):
+def test_gc_and_discard_remove_their_steps_only(tmp_path):
     with file_store(tmp_path) as store:
         store.publish_version(RUN, 1)
         for step in range(4):
@@ -378,6 +378,19 @@ def test_gc_removes_consumed_steps_only(tmp_path):
             "step_0000000003",
         ]
         assert store.gc(RUN, 1) == []
+        # A resumed run redoes steps >= 3: their entries go, uncommitted data too; earlier
+        # steps, other runs and the published version stay.
+        (tmp_path / RUN / "step_0000000005" / "mb_00000" / "data_x").mkdir(parents=True)
+        (tmp_path / RUN / "step_0000000005" / "mb_00000" / "data_x" / "junk").write_bytes(b"x")
+        assert store.discard_from(RUN, 3) == [(3, 0), (3, 1)]
+        assert store.entries(RUN) == [(2, 0), (2, 1)]
+        assert store.entries("other-run") == [(0, 0)]
+        assert store.published_version(RUN) == 1
+        assert sorted(p.name for p in (tmp_path / RUN).iterdir()) == [
+            "policy_version.json",
+            "step_0000000002",
+        ]
+        assert store.discard_from(RUN, 3) == []
 
 
 def test_config():

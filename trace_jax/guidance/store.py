@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -698,7 +698,22 @@ class GuidanceStore:
         self._kv_call(
             self._kv.delete_range(ts.KvStore.KeyRange(lo, hi or layout.prefix_range_end(lo))), run
         )
-        self._remove_empty_dirs(run, up_to_step)
+        self._remove_empty_dirs(run, lambda s: s <= up_to_step)
+        return removed
+
+    def discard_from(self, run: str, step: int) -> list[tuple[int, int]]:
+        """Deletes every entry of `run` with step >= `step` (committed or not); returns them.
+
+        For a run resumed from its checkpoint at `step - 1`: an interrupted attempt may have
+        committed guidance for steps it never trained, and the resumed run samples them again.
+        (Only for a run whose rollout and trainer restart together; a separate rollout worker's
+        entries ahead of the trainer are live.)
+        """
+        lo = layout.step_prefix(run, step)
+        end = layout.prefix_range_end(f"{run}/step_")
+        removed = [e for e in self.entries(run) if e[0] >= step]
+        self._kv_call(self._kv.delete_range(ts.KvStore.KeyRange(lo, end)), run)
+        self._remove_empty_dirs(run, lambda s: s >= step)
         return removed
 
     def _delete_prefix(self, prefix: str) -> None:
@@ -709,15 +724,15 @@ class GuidanceStore:
         except Exception as e:  # best effort: the data is unreachable without a manifest
             log.warning("could not delete uncommitted guidance data %r: %s", prefix, e)
 
-    def _remove_empty_dirs(self, run: str, up_to_step: int) -> None:
-        """Removes the empty directories of collected steps (file kvstore only)."""
+    def _remove_empty_dirs(self, run: str, collected: Callable[[int], bool]) -> None:
+        """Removes the empty directories of steps `collected(step)` (file kvstore only)."""
         root = self._file_root()
         run_dir = os.path.join(root, run) if root else None
         if run_dir is None or not os.path.isdir(run_dir):
             return
         for name in os.listdir(run_dir):
             step = name.removeprefix("step_")
-            if name.startswith("step_") and step.isdigit() and int(step) <= up_to_step:
+            if name.startswith("step_") and step.isdigit() and collected(int(step)):
                 self._prune_dirs(f"{run}/{name}/")
 
     def _prune_dirs(self, prefix: str) -> None:
