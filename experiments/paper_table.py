@@ -131,8 +131,20 @@ def train(
     return True
 
 
-def aggregate(cfg, workdir: str) -> list[dict]:
-    """One row per run: pass@1 mean and std over seeds per split, and the benchmark average."""
+def finished_seeds(cfg, workdir: str, label: str) -> list[int]:
+    """The seeds of run `label` with a final evaluation."""
+    return [
+        s
+        for s in cfg.table.seeds
+        if final_eval(run_dir(workdir, label, s), cfg.rl.steps) is not None
+    ]
+
+
+def aggregate(cfg, workdir: str, partial: bool = False) -> list[dict]:
+    """One row per run: pass@1 mean and std over seeds per split, and the benchmark average.
+
+    `partial`: over the finished seeds only (`seeds` says how many); runs with none are left out.
+    Otherwise an unfinished seed is an error."""
     splits = list(cfg.eval.splits)
     bench = [s for s in splits if s in BENCHMARK_SPLITS]
     rows = []
@@ -140,9 +152,12 @@ def aggregate(cfg, workdir: str) -> list[dict]:
         finals = []
         for seed in cfg.table.seeds:
             ev = final_eval(run_dir(workdir, label, seed), cfg.rl.steps)
-            if ev is None:
+            if ev is None and not partial:
                 raise RuntimeError(f"{label} seed {seed} has no final evaluation")
-            finals.append(ev)
+            if ev is not None:
+                finals.append(ev)
+        if not finals:
+            continue
         row = {"run": label, **{k: str(v) for k, v in dict(overrides).items()}}
         for s in splits:
             vals = np.asarray([f[s] for f in finals], np.float64)
@@ -152,34 +167,84 @@ def aggregate(cfg, workdir: str) -> list[dict]:
         row["average"] = float(avg.mean())
         row["average_std"] = float(avg.std(ddof=1)) if len(avg) > 1 else float("nan")
         row["seeds"] = len(finals)
+        dirs = [run_dir(workdir, label, sd) for sd in finished_seeds(cfg, workdir, label)]
+        row.update(run_statistics([_jsonl(os.path.join(d, "rl_metrics.jsonl")) for d in dirs]))
         rows.append(row)
     return rows
 
 
+STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
+
+
+def run_statistics(metrics: list[list[dict]]) -> dict[str, float]:
+    """Training-log statistics of one run, over its seeds' `rl_metrics` rows: the mean of each
+    `STAT_KEYS` metric over the steps that logged it (code mismatch: the mismatch-measuring
+    steps only), averaged over seeds. A metric no step logged is absent (never 0)."""
+    out = {}
+    for key in STAT_KEYS:
+        logged = [[r[key] for r in rows if key in r] for rows in metrics]
+        per_seed = [float(np.mean(v)) for v in logged if v]
+        if per_seed:
+            out[key] = float(np.mean(per_seed))
+    return out
+
+
+def sft_row(cfg, workdir: str) -> dict | None:
+    """The SFT policy's pass@1 (bf16) per split and benchmark average: where every run starts.
+    None if its evaluation is not in the workdir."""
+    path = os.path.join(workdir, "sft", "sft_eval.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        by_split = {r["split"]: r["pass@1_bf16"] for r in json.load(f)["rows"]}
+    row = {"run": "SFT start (bf16)", **{s: float(by_split[s]) for s in cfg.eval.splits}}
+    row["average"] = float(np.mean([by_split[s] for s in cfg.eval.splits if s in BENCHMARK_SPLITS]))
+    return row
+
+
+def _smooth(x: np.ndarray, window: int = 10) -> np.ndarray:
+    """Trailing moving average (the first points average what exists so far)."""
+    c = np.cumsum(np.insert(np.asarray(x, np.float64), 0, 0.0))
+    n = np.arange(1, len(x) + 1)
+    lo = np.maximum(n - window, 0)
+    return (c[n] - c[lo]) / (n - lo)
+
+
 def _plot(cfg, workdir: str, path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    start = sft_row(cfg, workdir)
+    sft_score = None if start is None else start["average"]
     for label, _ in cfg.table.runs:
-        dirs = [run_dir(workdir, label, s) for s in cfg.table.seeds]
+        dirs = [run_dir(workdir, label, s) for s in finished_seeds(cfg, workdir, label)]
+        if not dirs:
+            continue
         metrics = [_jsonl(os.path.join(d, "rl_metrics.jsonl")) for d in dirs]
         for ax, key in zip(axes[:2], ("reward", "train_rollout_gap_mean"), strict=True):
             steps = [r["step"] for r in metrics[0]]
             vals = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], axis=0)
-            ax.plot(steps, vals, label=label)
+            ax.plot(steps, _smooth(vals), label=label)
         evals = [_jsonl(os.path.join(d, "rl_eval.jsonl")) for d in dirs]
         bench = [s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]
         steps = [r["step"] for r in evals[0]]
         score = np.mean(
             [[np.mean([r[s] for s in bench]) for r in e[: len(steps)]] for e in evals], 0
         )
+        if sft_score is not None:  # the starting point of every run
+            steps, score = [-1, *steps], [sft_score, *score]
         axes[2].plot(steps, score, "o-", label=label)
     for ax, title in zip(
         axes,
-        ("mean reward", "mean |logp train - rollout|", "test pass@1 (benchmark avg)"),
+        (
+            "mean reward (10-step avg)",
+            "mean |logp train - rollout| (10-step avg)",
+            "test pass@1, benchmark avg (-1: SFT)",
+        ),
         strict=True,
     ):
-        ax.set(xlabel="RL step", title=title + f" (mean of {len(cfg.table.seeds)} seeds)")
+        ax.set(xlabel="RL step", title=title)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
+    fig.suptitle(f"{cfg.table.title}: mean over finished seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -196,6 +261,7 @@ def run(
     labels: tuple[str, ...] = (),
     sft_only: bool = False,
     aggregate_only: bool = False,
+    partial: bool = False,
 ) -> list[dict] | None:
     """Trains what is missing; writes and returns the table once every run is finished.
 
@@ -203,7 +269,8 @@ def run(
     `labels`: trains only these runs (all seeds) and writes no table (None);
     `sft_only`: runs (or reuses) the SFT stage and stops (None); `aggregate_only`: trains nothing
     and writes the table from the runs' logs (e.g. brought back from GPU sessions without their
-    checkpoints); an unfinished run is an error.
+    checkpoints); an unfinished run is an error, unless `partial` (with `aggregate_only`): then
+    the table is written over the finished seeds and says so.
     """
     if cfg.rl.steps % cfg.rl.eval_every:
         raise ValueError(
@@ -218,11 +285,18 @@ def run(
         )
         if not done or shard[1] > 1 or labels:
             return None
-    rows = aggregate(cfg, workdir)
+    if partial and not aggregate_only:
+        raise ValueError("--partial only aggregates (with --aggregate_only)")
+    rows = aggregate(cfg, workdir, partial=partial)
     name = cfg.table.name
     cols = ["run", "average", "average_std"]
     cols += [c for s in cfg.eval.splits for c in (s, f"{s}_std")] + ["seeds"]
-    table = results_io.markdown_table(rows, cols, fmt=".3f")
+    start = sft_row(cfg, workdir)
+    table = results_io.markdown_table(rows + ([start] if start else []), cols, fmt=".3f")
+    table += "\n\nTraining-log statistics (means over steps, then seeds; `code_mismatch` and "
+    table += "`one_apart_fraction` over the mismatch-measuring steps, every "
+    table += f"{cfg.rl.get('mismatch_every', 0)} steps; n/a: the trainer quantizes nothing):\n\n"
+    table += results_io.markdown_table(rows, ["run", *STAT_KEYS], fmt=".4g")
     notes = (
         f"{cfg.table.title}. Model `{cfg.model.preset}`, SFT warm start {cfg.sft.steps} steps, "
         f"{cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} "
@@ -231,6 +305,16 @@ def run(
         f"sample std over seeds {list(cfg.table.seeds)}. `average`: mean over "
         f"{[s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]}.\n\n![curves]({name}.png)"
     )
+    n = len(cfg.table.seeds)
+    missing = [f"{r['run']} ({n - r['seeds']} of {n})" for r in rows if r["seeds"] < n]
+    missing += [lb for lb, _ in cfg.table.runs if lb not in {r["run"] for r in rows}]
+    if aggregate_only:
+        notes = (
+            f"Aggregated from the run logs in `{workdir}` (where and when the runs ran: the logs "
+            "and that folder's README).\n\n" + notes
+        )
+    if missing:
+        notes = f"**Partial table**: seeds not yet run: {', '.join(missing)}.\n\n" + notes
     results_io.write_results(
         name, rows, title=cfg.table.title, table=table, notes=notes, outdir=outdir
     )
@@ -252,6 +336,7 @@ def main(argv):
         labels=tuple(f.runs),
         sft_only=f.sft_only,
         aggregate_only=f.aggregate_only,
+        partial=f.partial,
     )
     if rows is None and not f.sft_only:
         print("table not written (incomplete, --shard or --runs): rerun without them")
@@ -267,5 +352,6 @@ if __name__ == "__main__":
     flags.DEFINE_list("runs", [], "train only these runs of the table (labels; default: all)")
     flags.DEFINE_bool("sft_only", False, "run (or reuse) the SFT stage and stop")
     flags.DEFINE_bool("aggregate_only", False, "train nothing; write the table from the run logs")
+    flags.DEFINE_bool("partial", False, "with --aggregate_only: over the finished seeds only")
     flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -62,8 +62,9 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     assert paper_table.run(cfg, str(work), shard=(0, 2), **kw) is None
     rows = paper_table.run(cfg, str(work), **kw)  # everything finished: aggregates only
     assert [r["run"] for r in rows] == ["qat", "qat lr"]
+    saved_finals = {}
     for row, (label, _) in zip(rows, cfg.table.runs, strict=True):
-        finals = []
+        finals = saved_finals[label] = []
         for seed in (0, 1):
             d = work / label / f"seed{seed}"
             evals = [json.loads(x) for x in (d / "rl_eval.jsonl").read_text().splitlines()]
@@ -76,6 +77,13 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
             np.testing.assert_allclose(row[f"{split}_std"], np.std(vals, ddof=1))
         np.testing.assert_allclose(row["average"], np.mean([f["aime24"] for f in finals]))
     saved = json.loads((out / "t.json").read_text())["rows"]
+    # Where every run started: the SFT policy's bf16 pass@1, a reference row of the table.
+    sft_eval = json.loads((work / "sft" / "sft_eval.json").read_text())["rows"]
+    start = paper_table.sft_row(cfg, str(work))
+    aime = [r["pass@1_bf16"] for r in sft_eval if r["split"] == "aime24"]
+    assert start["average"] == pytest.approx(aime[0])  # the test config's one benchmark split
+    assert "| SFT start (bf16) |" in (out / "t.md").read_text()
+    assert paper_table.sft_row(cfg, str(tmp_path / "none")) is None
     assert saved == json.loads(json.dumps(rows))
     # From the run logs alone (no checkpoints, no SFT stage: as brought back from a GPU session).
     logs = tmp_path / "logs"
@@ -87,6 +95,14 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     (logs / "qat" / "seed1" / "rl_eval.jsonl").unlink()
     with pytest.raises(RuntimeError, match="qat seed 1 has no final evaluation"):
         paper_table.run(cfg, str(logs), aggregate_only=True, **kw)
+    # --partial: over the finished seeds, and the table says which are missing.
+    part = paper_table.run(cfg, str(logs), aggregate_only=True, partial=True, **kw)
+    assert [r["seeds"] for r in part] == [1, 2] and np.isnan(part[0]["level1_std"])
+    np.testing.assert_allclose(part[0]["level1"], saved_finals["qat"][0]["level1"])
+    assert part[1] == json.loads(json.dumps(again))[1]
+    assert "Partial table**: seeds not yet run: qat (1 of 2)" in (out / "t.md").read_text()
+    with pytest.raises(ValueError, match="--partial"):
+        paper_table.run(cfg, str(logs), partial=True, **kw)
     assert (out / "t.png").stat().st_size > 0
 
 
@@ -114,3 +130,17 @@ def test_bad_override(tmp_path):
     cfg = _cfg()
     with pytest.raises(ValueError, match="unknown override"):
         paper_table.run_config(cfg, "x", {"model.preset": "small"}, 0, "")
+
+
+def test_run_statistics_average_logged_steps_then_seeds():
+    seed0 = [
+        {"step": 0, "train_rollout_gap_mean": 0.1, "code_mismatch": 0.2, "one_apart_fraction": 1.0},
+        {"step": 1, "train_rollout_gap_mean": 0.3},
+    ]
+    seed1 = [{"step": 0, "train_rollout_gap_mean": 0.5, "code_mismatch": 0.4}]
+    got = paper_table.run_statistics([seed0, seed1])
+    assert got == pytest.approx(
+        {"train_rollout_gap_mean": (0.2 + 0.5) / 2, "code_mismatch": 0.3, "one_apart_fraction": 1.0}
+    )
+    assert "train_rollout_kl_k3" not in got  # never logged: no number
+    assert paper_table.run_statistics([[{"step": 0, "reward": 1.0}]]) == {}
