@@ -1,0 +1,307 @@
+r"""One GPU session of paper tables: their (run, seed) pairs as a queue of jobs on shared GPUs.
+
+  python -m experiments.table_session \
+      --tables=configs/table1_nvfp4.py,configs/table4_mxfp4.py --root=/tmp/tables \
+      --per_gpu=3 --deadline_s=1200 --bundle=$OUT/runs.tgz
+
+1. The SFT warm start runs once, in `<root>/sft` (every table must share its SFT settings:
+   checked), and is linked into each table's workdir `<root>/<table name>/sft`.
+2. Every (table, run, seed) without a final evaluation is a job, in table order. `gpus x per_gpu`
+   slots each run one job at a time: `experiments.paper_table --runs=<label> --shard=<k>/<seeds>`
+   (exactly seed k of that run) pinned to its GPU with on-demand GPU memory. A failed job (an
+   out-of-memory when co-tenants peak, say) is retried once, from its last checkpoint. No job
+   starts after `--deadline_s`; what is unfinished then stays a job for the next session.
+3. `<root>/session.jsonl` logs every job's start and end (time, GPU, return code); `--bundle`
+   writes the run logs (no checkpoints or guidance stores), the SFT evaluation and the job logs to
+   one tarball, as brought back from a device session. Unpack each `<table name>/` into
+   `experiments/results/runs/<table name>/` with the shared `sft/` beside its runs, and
+   aggregate with `paper_table --aggregate_only` (`--partial` while seeds are missing).
+
+`--extra` passes more flags to every subprocess (config overrides; the tests use a tiny model).
+One `small` run leaves an H200 mostly idle: three runs per GPU took 1.0-1.7 s per GRPO step each
+(one alone: about 1 s); five saturated it (4 s) and, at 38 GiB of train-step memory each, ran out
+of memory (2026-11-30, `results/runs/table1_nvfp4/README.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import paper_table
+
+# What a device session brings back: logs and evaluations, never checkpoints or guidance stores.
+BUNDLE_SUFFIXES = ("rl_metrics.jsonl", "rl_eval.jsonl", "sft_eval.json", "sft_metrics.jsonl")
+BUNDLE_DIRS_SKIPPED = ("rl_checkpoints", "guidance", "sft_checkpoint", "tensorboard", "jax_cache")
+
+
+def job_env(root: str, gpu: int | None) -> dict[str, str]:
+    """A job's environment: pinned to `gpu`, GPU memory on demand (several runs share a GPU),
+    compiled programs shared through a persistent cache (runs of one method compile alike)."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.abspath(root), "jax_cache"))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One (table, run, seed): `seed_index` is the seed's position in the table's seeds."""
+
+    config_path: str
+    table: str
+    label: str
+    seed: int
+    seed_index: int
+    n_seeds: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.table}/{self.label}/seed{self.seed}".replace(" ", "_")
+
+    def command(self, root: str, extra: Sequence[str]) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "experiments.paper_table",
+            f"--config={self.config_path}",
+            f"--workdir={os.path.join(root, self.table)}",
+            f"--runs={self.label}",
+            f"--shard={self.seed_index}/{self.n_seeds}",
+            "--chunk_steps=1000000",  # one chunk: the run's own checkpoints make it resumable
+            *extra,
+        ]
+
+
+def load_table(path: str, extra: Sequence[str]):
+    """The table config at `path` with the `--config.*` overrides among `extra` applied."""
+    argv = ["table_session", f"--config={path}", *[a for a in extra if a.startswith("--config.")]]
+    fv = flags.FlagValues()
+    # config_flags registers the override flags it finds in `sys_argv` when the flag is defined.
+    holder = config_flags.DEFINE_config_file("config", path, flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return holder.value
+
+
+def check_shared_sft(cfgs: Sequence) -> None:
+    """All tables must train the same SFT warm start (model, tasks, SFT settings)."""
+    first = cfgs[0]
+    for cfg in cfgs[1:]:
+        for section in ("model", "tasks", "sft"):
+            if cfg[section].to_dict() != first[section].to_dict():
+                raise ValueError(
+                    f"tables {first.table.name} and {cfg.table.name} differ in `{section}`: "
+                    "they cannot share one SFT stage; run them in separate sessions"
+                )
+
+
+def pending_jobs(table_paths: Sequence[str], cfgs: Sequence, root: str) -> list[Job]:
+    """Every (table, run, seed) of the tables without a final evaluation under `root`."""
+    jobs = []
+    for path, cfg in zip(table_paths, cfgs, strict=True):
+        workdir = os.path.join(root, cfg.table.name)
+        seeds = list(cfg.table.seeds)
+        for label, _ in cfg.table.runs:
+            done = paper_table.finished_seeds(cfg, workdir, label)
+            for k, seed in enumerate(seeds):
+                if seed not in done:
+                    jobs.append(Job(path, cfg.table.name, label, seed, k, len(seeds)))
+    return jobs
+
+
+def link_sft(root: str, tables: Sequence[str]) -> None:
+    """Points each table workdir's `sft` at the shared `<root>/sft`."""
+    os.makedirs(os.path.join(root, "sft"), exist_ok=True)
+    for name in tables:
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        link = os.path.join(root, name, "sft")
+        if not os.path.lexists(link):
+            os.symlink(os.path.join("..", "sft"), link)
+
+
+Launch = Callable[[Job, int | None, str], subprocess.Popen]
+
+
+def run_queue(
+    jobs: Sequence[Job],
+    *,
+    gpus: Sequence[int | None],
+    per_gpu: int,
+    root: str,
+    launch: Launch,
+    deadline_s: float | None,
+    retries: int = 1,
+    poll_s: float = 2.0,
+) -> dict[str, int]:
+    """Runs `jobs` on `len(gpus) * per_gpu` slots; returns each started job's last return code.
+
+    `launch(job, gpu, log_path)` starts one job (a `Popen`); a failed job goes back to the end of
+    the queue up to `retries` times. No job starts after `deadline_s` seconds.
+    """
+    log_dir = os.path.join(root, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    events = open(os.path.join(root, "session.jsonl"), "a")
+    queue = [(job, 0) for job in jobs]
+    running: dict[int, tuple[Job, int, subprocess.Popen, float]] = {}
+    slots = [gpu for gpu in gpus for _ in range(per_gpu)]
+    codes: dict[str, int] = {}
+    t0 = time.perf_counter()
+
+    def event(**kw):
+        events.write(json.dumps({"t": round(time.perf_counter() - t0, 1), **kw}) + "\n")
+        events.flush()
+
+    try:
+        while queue or running:
+            for slot, gpu in enumerate(slots):
+                if slot in running or not queue:
+                    continue
+                if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                    break
+                job, attempt = queue.pop(0)
+                log = os.path.join(log_dir, f"{job.name.replace('/', '_')}.{attempt}.log")
+                running[slot] = (job, attempt, launch(job, gpu, log), time.perf_counter())
+                event(start=job.name, gpu=gpu, attempt=attempt)
+                logging.info("start %s on GPU %s (attempt %d)", job.name, gpu, attempt)
+            if deadline_s is not None and time.perf_counter() - t0 > deadline_s and queue:
+                for job, _ in queue:
+                    event(skipped=job.name, reason="deadline")
+                queue = []
+            time.sleep(poll_s)
+            for slot, (job, attempt, proc, started) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del running[slot]
+                codes[job.name] = rc
+                event(end=job.name, rc=rc, seconds=round(time.perf_counter() - started, 1))
+                logging.info("end %s rc=%d (%.0f s)", job.name, rc, time.perf_counter() - started)
+                if rc != 0 and attempt < retries:
+                    queue.append((job, attempt + 1))
+    finally:
+        for _, _, proc, _ in running.values():  # interrupted: leave no orphans
+            proc.terminate()
+        events.close()
+    return codes
+
+
+def subprocess_launcher(root: str, extra: Sequence[str]) -> Launch:
+    def launch(job: Job, gpu: int | None, log_path: str) -> subprocess.Popen:
+        out = open(log_path, "w")
+        return subprocess.Popen(
+            job.command(root, extra), stdout=out, stderr=subprocess.STDOUT, env=job_env(root, gpu)
+        )
+
+    return launch
+
+
+def bundle(root: str, path: str) -> list[str]:
+    """Writes the run logs, SFT evaluation and job logs under `root` to the tarball `path`."""
+    names = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in BUNDLE_DIRS_SKIPPED]
+        for f in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if f.endswith(BUNDLE_SUFFIXES) or rel.startswith("logs/") or f == "session.jsonl":
+                names.append(rel)
+    with tarfile.open(path, "w:gz") as tar:
+        for rel in sorted(names):
+            tar.add(os.path.join(root, rel), arcname=rel)
+    return names
+
+
+def visible_gpus() -> list[int | None]:
+    """GPU indices from `nvidia-smi -L` (without initializing JAX here); [None] without GPUs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return [None]
+    n = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+    return list(range(n)) or [None]
+
+
+def run_session(
+    table_paths: Sequence[str],
+    *,
+    root: str,
+    per_gpu: int,
+    deadline_s: float | None,
+    extra: Sequence[str] = (),
+    gpus: Sequence[int | None] | None = None,
+    bundle_path: str = "",
+    launch: Launch | None = None,
+) -> dict[str, int]:
+    """SFT once, then the tables' pending jobs on the GPUs; returns job return codes."""
+    t0 = time.perf_counter()
+    cfgs = [load_table(p, extra) for p in table_paths]
+    check_shared_sft(cfgs)
+    gpus = visible_gpus() if gpus is None else list(gpus)
+    os.makedirs(root, exist_ok=True)
+    link_sft(root, [c.table.name for c in cfgs])
+    jobs = pending_jobs(table_paths, cfgs, root)
+    logging.info("%d jobs pending on GPUs %s x %d", len(jobs), gpus, per_gpu)
+    if jobs:
+        sft_cmd = [
+            sys.executable,
+            "-m",
+            "experiments.paper_table",
+            f"--config={table_paths[0]}",
+            f"--workdir={os.path.join(root, cfgs[0].table.name)}",  # its `sft` is <root>/sft
+            "--sft_only",
+            *extra,
+        ]
+        env = job_env(root, gpus[0])
+        os.makedirs(os.path.join(root, "logs"), exist_ok=True)
+        with open(os.path.join(root, "logs", "sft.log"), "w") as out:
+            subprocess.run(sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=True)
+        left = None if deadline_s is None else deadline_s - (time.perf_counter() - t0)
+        codes = run_queue(
+            jobs,
+            gpus=gpus,
+            per_gpu=per_gpu,
+            root=root,
+            launch=launch or subprocess_launcher(root, extra),
+            deadline_s=left,
+        )
+    else:
+        codes = {}
+    if bundle_path:
+        bundle(root, bundle_path)
+    return codes
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    codes = run_session(
+        f.tables,
+        root=f.root,
+        per_gpu=f.per_gpu,
+        deadline_s=f.deadline_s or None,
+        extra=shlex.split(f.extra),
+        bundle_path=f.bundle,
+    )
+    failed = sorted(k for k, rc in codes.items() if rc)
+    print(f"{len(codes) - len(failed)} jobs finished, {len(failed)} failed: {failed}")
+
+
+if __name__ == "__main__":
+    flags.DEFINE_list("tables", None, "table config files (they must share the SFT settings)")
+    flags.DEFINE_string("root", "workdir/tables", "one workdir per table under it, SFT shared")
+    flags.DEFINE_integer("per_gpu", 3, "runs sharing one GPU")
+    flags.DEFINE_float("deadline_s", 0, "start no job after this many seconds (0: no deadline)")
+    flags.DEFINE_string("extra", "", "more flags for every paper_table subprocess")
+    flags.DEFINE_string("bundle", "", "write run logs to this .tgz at the end")
+    flags.mark_flags_as_required(["tables"])
+    app.run(main)

@@ -1,0 +1,133 @@
+"""The GPU-session job queue over paper tables: jobs, slots, retries, deadline, bundle."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from experiments import table_session
+
+TABLES = ["configs/table1_nvfp4.py", "configs/table4_mxfp4.py"]
+
+
+def _cfgs(extra=()):
+    return [table_session.load_table(p, extra) for p in TABLES]
+
+
+def test_jobs_are_the_unfinished_pairs_and_pick_one_seed(tmp_path):
+    cfgs = _cfgs(["--config.rl.steps=4", "--config.rl.eval_every=2"])
+    assert cfgs[0].rl.steps == 4 and cfgs[1].rl.eval_every == 2  # overrides applied
+    table_session.check_shared_sft(cfgs)
+    # table1 trace seed 1 finished (final evaluation at step 3); table4 fp4_qat seed 0 half-way.
+    for rel, step in (
+        ("table1_nvfp4/trace/seed1", 3),
+        ("table4_mxfp4/fp4_qat mxfp4_w4a8/seed0", 1),
+    ):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "rl_eval.jsonl").write_text(json.dumps({"step": step}) + "\n")
+    jobs = table_session.pending_jobs(TABLES, cfgs, str(tmp_path))
+    names = [j.name for j in jobs]
+    assert len(jobs) == 5 * 3 - 1 + 4 * 3
+    assert "table1_nvfp4/trace/seed1" not in names and "table1_nvfp4/trace/seed2" in names
+    assert "table4_mxfp4/fp4_qat_mxfp4_w4a8/seed0" in names  # unfinished: still a job
+    assert names[0] == "table1_nvfp4/bf16/seed0" and names[-1].startswith("table4_mxfp4/")
+    job = next(j for j in jobs if j.name == "table1_nvfp4/trace/seed2")
+    cmd = job.command("/r", ["--config.rl.steps=4"])
+    assert "--runs=trace" in cmd and "--shard=2/3" in cmd and cmd[-1] == "--config.rl.steps=4"
+    assert f"--workdir={'/r/table1_nvfp4'}" in cmd
+    # --shard=k/n with --runs=label trains exactly seed k of that run.
+    from experiments import paper_table
+
+    (pair,) = paper_table.table_pairs(cfgs[0], (2, 3), ("trace",))
+    assert pair[0] == "trace" and pair[2] == 2
+
+
+def test_tables_with_different_sft_cannot_share_a_session():
+    cfgs = _cfgs()
+    cfgs[1].sft.steps = 10
+    with pytest.raises(ValueError, match="`sft`"):
+        table_session.check_shared_sft(cfgs)
+
+
+def _fake_launcher(fail_first: set[str], log: list):
+    """Jobs are short sleeps; the named ones fail on their first attempt."""
+
+    def launch(job, gpu, log_path):
+        attempt = int(log_path.rsplit(".", 2)[-2])
+        code = 1 if job.name in fail_first and attempt == 0 else 0
+        log.append((job.name, gpu, attempt))
+        script = f"import time, sys; time.sleep(0.3); sys.exit({code})"
+        return subprocess.Popen([sys.executable, "-c", script])
+
+    return launch
+
+
+def test_queue_fills_slots_retries_failures_once_and_logs(tmp_path):
+    jobs = [table_session.Job("c.py", "t", f"run{i}", 0, 0, 1) for i in range(5)]
+    started = []
+    codes = table_session.run_queue(
+        jobs,
+        gpus=[0, 1],
+        per_gpu=2,
+        root=str(tmp_path),
+        launch=_fake_launcher({"t/run1/seed0"}, started),
+        deadline_s=None,
+        poll_s=0.05,
+    )
+    assert codes == {j.name: 0 for j in jobs}  # run1 failed once, then succeeded
+    assert [a for n, _, a in started if n == "t/run1/seed0"] == [0, 1]
+    assert len(started) == 6
+    # Never more jobs at once than slots (2 GPUs x 2), and both GPUs used.
+    events = [json.loads(x) for x in (tmp_path / "session.jsonl").read_text().splitlines()]
+    live = peak = 0
+    for e in events:
+        live += 1 if "start" in e else -1 if "end" in e else 0
+        peak = max(peak, live)
+    assert peak == 4 and {g for _, g, _ in started} == {0, 1}
+    assert sum("end" in e and e["rc"] == 1 for e in events) == 1
+
+
+def test_no_job_starts_after_the_deadline(tmp_path):
+    jobs = [table_session.Job("c.py", "t", f"run{i}", 0, 0, 1) for i in range(3)]
+    started = []
+    codes = table_session.run_queue(
+        jobs,
+        gpus=[None],
+        per_gpu=1,
+        root=str(tmp_path),
+        launch=_fake_launcher(set(), started),
+        deadline_s=0.0,
+        poll_s=0.01,
+    )
+    assert codes == {} and started == []
+    events = [json.loads(x) for x in (tmp_path / "session.jsonl").read_text().splitlines()]
+    assert [e.get("skipped") for e in events] == [j.name for j in jobs]
+
+
+def test_bundle_keeps_logs_and_evaluations_only(tmp_path):
+    root = tmp_path / "root"
+    keep = [
+        "t1/trace/seed0/rl_metrics.jsonl",
+        "t1/trace/seed0/rl_eval.jsonl",
+        "sft/sft_eval.json",
+        "sft/sft_metrics.jsonl",
+        "logs/t1_trace_seed0.0.log",
+        "session.jsonl",
+    ]
+    drop = [
+        "t1/trace/seed0/rl_checkpoints/25/x.json",
+        "t1/trace/seed0/guidance/run/step_1/manifest.json",
+        "sft/sft_checkpoint/rl_eval.jsonl",
+        "t1/trace/seed0/tensorboard/events.out",
+    ]
+    for rel in keep + drop:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x")
+    names = table_session.bundle(str(root), str(tmp_path / "b.tgz"))
+    assert sorted(names) == sorted(keep)
+    with tarfile.open(tmp_path / "b.tgz") as tar:
+        assert sorted(tar.getnames()) == sorted(keep)
