@@ -2,7 +2,7 @@ r"""One GPU session of paper tables: their (run, seed) pairs as a queue of jobs 
 
   python -m experiments.table_session \
       --tables=configs/table1_nvfp4.py,configs/table4_mxfp4.py --root=/tmp/tables \
-      --per_gpu=3 --deadline_s=1200 --bundle=$OUT/runs.tgz
+      --per_gpu=3 --deadline_s=1200 --bundle=$OUT/runs.tgz --done_from=experiments/results/runs
 
 1. The SFT warm start runs once, in `<root>/sft` (every table must share its SFT settings:
    checked), and is linked into each table's workdir `<root>/<table name>/sft`.
@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -118,6 +119,22 @@ def pending_jobs(table_paths: Sequence[str], cfgs: Sequence, root: str) -> list[
                 if seed not in done:
                     jobs.append(Job(path, cfg.table.name, label, seed, k, len(seeds)))
     return jobs
+
+
+def adopt_finished(cfg, root: str, done_from: str) -> list[str]:
+    """Copies the logs of runs finished in earlier sessions (`<done_from>/<table name>/<label>/
+    seed<k>`, e.g. `experiments/results/runs`) into `<root>`, so their jobs are not run again;
+    returns the run directories adopted."""
+    name = cfg.table.name
+    adopted = []
+    for label, _ in cfg.table.runs:
+        for seed in paper_table.finished_seeds(cfg, os.path.join(done_from, name), label):
+            src = paper_table.run_dir(os.path.join(done_from, name), label, seed)
+            dst = paper_table.run_dir(os.path.join(root, name), label, seed)
+            if not os.path.exists(dst):
+                shutil.copytree(src, dst)
+                adopted.append(dst)
+    return adopted
 
 
 def link_sft(root: str, tables: Sequence[str]) -> None:
@@ -240,15 +257,21 @@ def run_session(
     extra: Sequence[str] = (),
     gpus: Sequence[int | None] | None = None,
     bundle_path: str = "",
+    done_from: str = "",
     launch: Launch | None = None,
 ) -> dict[str, int]:
-    """SFT once, then the tables' pending jobs on the GPUs; returns job return codes."""
+    """SFT once, then the tables' pending jobs on the GPUs; returns job return codes.
+    `done_from`: where the logs of runs finished in earlier sessions are (`adopt_finished`)."""
     t0 = time.perf_counter()
     cfgs = [load_table(p, extra) for p in table_paths]
     check_shared_sft(cfgs)
     gpus = visible_gpus() if gpus is None else list(gpus)
     os.makedirs(root, exist_ok=True)
     link_sft(root, [c.table.name for c in cfgs])
+    if done_from:
+        for cfg in cfgs:
+            adopted = adopt_finished(cfg, root, done_from)
+            logging.info("%s: %d runs finished earlier", cfg.table.name, len(adopted))
     jobs = pending_jobs(table_paths, cfgs, root)
     logging.info("%d jobs pending on GPUs %s x %d", len(jobs), gpus, per_gpu)
     if jobs:
@@ -291,6 +314,7 @@ def main(argv):
         deadline_s=f.deadline_s or None,
         extra=shlex.split(f.extra),
         bundle_path=f.bundle,
+        done_from=f.done_from,
     )
     failed = sorted(k for k, rc in codes.items() if rc)
     print(f"{len(codes) - len(failed)} jobs finished, {len(failed)} failed: {failed}")
@@ -303,5 +327,6 @@ if __name__ == "__main__":
     flags.DEFINE_float("deadline_s", 0, "start no job after this many seconds (0: no deadline)")
     flags.DEFINE_string("extra", "", "more flags for every paper_table subprocess")
     flags.DEFINE_string("bundle", "", "write run logs to this .tgz at the end")
+    flags.DEFINE_string("done_from", "", "logs of runs finished earlier (experiments/results/runs)")
     flags.mark_flags_as_required(["tables"])
     app.run(main)

@@ -131,3 +131,19 @@ def test_bundle_keeps_logs_and_evaluations_only(tmp_path):
     assert sorted(names) == sorted(keep)
     with tarfile.open(tmp_path / "b.tgz") as tar:
         assert sorted(tar.getnames()) == sorted(keep)
+
+
+def test_runs_finished_in_earlier_sessions_are_adopted_not_rerun(tmp_path):
+    cfg = table_session.load_table(TABLES[0], ["--config.rl.steps=4", "--config.rl.eval_every=2"])
+    done = tmp_path / "results" / "table1_nvfp4"
+    for rel, step in (("qarl/seed0", 3), ("qarl/seed1", 1)):  # seed 1 never finished
+        (done / rel).mkdir(parents=True)
+        (done / rel / "rl_eval.jsonl").write_text(json.dumps({"step": step}) + "\n")
+        (done / rel / "rl_metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    root = tmp_path / "root"
+    adopted = table_session.adopt_finished(cfg, str(root), str(tmp_path / "results"))
+    assert adopted == [str(root / "table1_nvfp4" / "qarl" / "seed0")]
+    assert (root / "table1_nvfp4" / "qarl" / "seed0" / "rl_metrics.jsonl").exists()
+    names = [j.name for j in table_session.pending_jobs(TABLES[:1], [cfg], str(root))]
+    assert "table1_nvfp4/qarl/seed0" not in names and "table1_nvfp4/qarl/seed1" in names
+    assert table_session.adopt_finished(cfg, str(root), str(tmp_path / "results")) == []
