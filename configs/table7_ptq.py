@@ -1,8 +1,9 @@
 r"""Table 7 analog: post-training FP4 quantization of the BF16-trained policy vs TRACE.
 
-The policies come from the Table 1 runs (`configs/table1_nvfp4.py`, seed 0):
+The policies come from the Table 1 runs (`configs/table1_nvfp4.py`), one per seed:
 python -m experiments.ptq_table --config=configs/table7_ptq.py \
-    --bf16_policy=workdir/table1/bf16/seed0 --trace_policy=workdir/table1/trace/seed0
+    --bf16_policy=workdir/table1/bf16/seed0,workdir/table1/bf16/seed1,workdir/table1/bf16/seed2 \
+    --trace_policy=workdir/table1/trace/seed0,workdir/table1/trace/seed1,workdir/table1/trace/seed2
 """
 
 import ml_collections

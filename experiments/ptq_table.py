@@ -1,7 +1,7 @@
 r"""Table 7 analog: a BF16-trained policy quantized after training vs TRACE's final FP4 policy.
 
   python -m experiments.ptq_table --config=configs/table7_ptq.py \
-      --bf16_policy=<RL workdir of a bf16 run> --trace_policy=<RL workdir of a trace run>
+      --bf16_policy=<bf16 run seed 0>,<seed 1>,... --trace_policy=<trace run seed 0>,...
 
 (a policy is an RL workdir, whose latest checkpoint is used, or parameters saved by
 `experiments.sft.save_params`).
@@ -19,6 +19,7 @@ recipe. Writes <outdir>/<name>.{md,json}.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,15 +83,10 @@ def calibration_batch(cfg, n_prompts: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(prompts), valid
 
 
-def run(
-    cfg,
-    *,
-    bf16_policy: str,
-    trace_policy: str = "",
-    calibration_prompts: int = 64,
-    outdir: str = results_io.RESULTS_DIR,
-    name: str = "table7_ptq",
+def policy_rows(
+    cfg, bf16_policy: str, trace_policy: str = "", calibration_prompts: int = 64
 ) -> list[dict]:
+    """One seed's rows: the BF16 policy in bf16, each PTQ recipe with FP4 execution, TRACE."""
     fp4_exec = QuantConfig.nvfp4()
     rows = []
     policy = load_policy(cfg, bf16_policy)
@@ -116,11 +112,55 @@ def run(
                 **_scores(cfg, model, fp4_exec, SiteMode.RTN),
             }
         )
-    columns = ["policy", *cfg.eval.splits, "average", "weight_sq_error"]
+    return rows
+
+
+def over_seeds(per_seed: Sequence[list[dict]]) -> list[dict]:
+    """Rows of several seeds (same policies in the same order) -> mean, sample std (`<key>_std`)
+    and the per-seed values (`<key>_seeds`) of every number; `seeds` says how many."""
+    out = []
+    for rows in zip(*per_seed, strict=True):
+        row = {"policy": rows[0]["policy"], "seeds": len(rows)}
+        for key in [k for k in rows[0] if k != "policy"]:
+            vals = np.asarray([r[key] for r in rows], np.float64)
+            row[key] = float(vals.mean())
+            row[f"{key}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else float("nan")
+            row[f"{key}_seeds"] = vals.tolist()
+        out.append(row)
+    return out
+
+
+def run(
+    cfg,
+    *,
+    bf16_policies: Sequence[str],
+    trace_policies: Sequence[str] = (),
+    calibration_prompts: int = 64,
+    outdir: str = results_io.RESULTS_DIR,
+    name: str = "table7_ptq",
+) -> list[dict]:
+    """The table over seeds: `bf16_policies[k]` and `trace_policies[k]` (if given) are the
+    final policies of training seed k."""
+    if not bf16_policies:
+        raise ValueError("give at least one BF16-trained policy")
+    if trace_policies and len(trace_policies) != len(bf16_policies):
+        raise ValueError(
+            f"{len(bf16_policies)} BF16 policies but {len(trace_policies)} TRACE policies: "
+            "give one TRACE policy per seed, or none"
+        )
+    traces = list(trace_policies) or [""] * len(bf16_policies)
+    per_seed = [
+        policy_rows(cfg, b, t, calibration_prompts)
+        for b, t in zip(bf16_policies, traces, strict=True)
+    ]
+    rows = over_seeds(per_seed)
+    columns = ["policy", "average", "average_std", *cfg.eval.splits, "weight_sq_error", "seeds"]
     notes = (
         f"pass@1 (k={cfg.eval.k}, {cfg.eval.problems_per_split} problems per split, "
-        f"temperature {cfg.eval.temperature}); H-Scale calibrated on {calibration_prompts} "
-        "training prompts; weight_sq_error: summed squared error of the routed-expert weights."
+        f"temperature {cfg.eval.temperature}), mean over {len(per_seed)} training seeds "
+        "(`average_std`: sample std over seeds; every split's std and per-seed values are in the "
+        f"JSON); H-Scale calibrated on {calibration_prompts} training prompts; weight_sq_error: "
+        "summed squared error of the routed-expert weights."
     )
     results_io.write_results(
         name,
@@ -138,8 +178,8 @@ def main(argv):
     f = flags.FLAGS
     run(
         f.config,
-        bf16_policy=f.bf16_policy,
-        trace_policy=f.trace_policy,
+        bf16_policies=f.bf16_policy,
+        trace_policies=f.trace_policy,
         calibration_prompts=f.calibration_prompts,
         outdir=f.outdir,
         name=f.name,
@@ -148,8 +188,8 @@ def main(argv):
 
 if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
-    flags.DEFINE_string("bf16_policy", None, "params of the BF16-trained policy (sft.save_params)")
-    flags.DEFINE_string("trace_policy", "", "params of TRACE's final policy (optional)")
+    flags.DEFINE_list("bf16_policy", None, "BF16-trained policies, one per seed (RL workdirs)")
+    flags.DEFINE_list("trace_policy", [], "TRACE's final policies, one per seed (optional)")
     flags.DEFINE_integer("calibration_prompts", 64, "training prompts for H-Scale's statistics")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
     flags.DEFINE_string("name", "table7_ptq", "result file stem")

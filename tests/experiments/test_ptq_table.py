@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from configs import tiny_cpu
 from experiments import main as rl_main
@@ -20,13 +21,14 @@ def test_ptq_table_rows(tmp_path):
     cfg.rl.update(
         steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0, mismatch_every=0
     )
-    params = str(tmp_path / "bf16_params")
-    sft.save_params(init_model(sft.model_config(cfg), seed=cfg.seed), params)
+    params = [str(tmp_path / f"bf16_params{k}") for k in (0, 1)]  # two "seeds"
+    for k, path in enumerate(params):
+        sft.save_params(init_model(sft.model_config(cfg), seed=cfg.seed + k), path)
     rl_main.run(cfg, str(tmp_path / "trace_run"))
     rows = ptq_table.run(
         cfg,
-        bf16_policy=params,
-        trace_policy=str(tmp_path / "trace_run"),
+        bf16_policies=params,
+        trace_policies=[str(tmp_path / "trace_run")] * 2,
         calibration_prompts=4,
         outdir=str(tmp_path / "out"),
         name="t7",
@@ -37,17 +39,22 @@ def test_ptq_table_rows(tmp_path):
         "TRACE final policy",
     ]
     for r in rows:
-        assert 0.0 <= r["average"] <= 1.0
-        assert np.isclose(r["average"], np.mean([r["level1"], r["aime24"]]))
-    errors = {r["policy"]: r["weight_sq_error"] for r in rows if "weight_sq_error" in r}
-    assert len(errors) == 3 and all(e > 0 for e in errors.values())
+        assert r["seeds"] == 2 and 0.0 <= r["average"] <= 1.0
+        for key in ("level1", "aime24", "average"):
+            vals = r[f"{key}_seeds"]
+            np.testing.assert_allclose(r[key], np.mean(vals))
+            np.testing.assert_allclose(r[f"{key}_std"], np.std(vals, ddof=1))
+        per_seed_avg = np.mean([r["level1_seeds"], r["aime24_seeds"]], axis=0)
+        np.testing.assert_allclose(r["average_seeds"], per_seed_avg)
+    errors = [r["weight_sq_error_seeds"] for r in rows if "weight_sq_error" in r]
+    assert len(errors) == 3 and all(e[0] > 0 and e[0] != e[1] for e in errors)  # seeds differ
     saved = json.loads((tmp_path / "out" / "t7.json").read_text())
     assert len(saved["rows"]) == 5
     assert "Table 7 analog" in (tmp_path / "out" / "t7.md").read_text()
+    with pytest.raises(ValueError, match="one TRACE policy per seed"):
+        ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])
 
 
 def test_missing_policy_is_a_clear_error(tmp_path):
-    import pytest
-
     with pytest.raises(FileNotFoundError, match="no policy at"):
         ptq_table.load_policy(tiny_cpu.get_config(), str(tmp_path / "nowhere"))

@@ -122,13 +122,16 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
             assert (np.asarray(ga.payload)[b, ~p] == 0).all()
     # Slot alignment against an independent path: teacher-forced prefill of each finished row
     # (all its tokens as the prompt) records its guidance at the same slots.
-    tokens = np.asarray(batch.tokens)
-    for b in range(3):
+    tokens, width = np.asarray(batch.tokens), int(batch.lengths.max())
+    one = SamplingConfig(max_new_tokens=1, temperature=0.0)
+    for b in range(3):  # one shape for every row (right-padded prompts): one compile
         n = int(batch.lengths[b])
-        one = SamplingConfig(max_new_tokens=1, temperature=0.0)
         with jax.default_matmul_precision("highest"):
             tf = _generate(
-                model, jnp.asarray(tokens[b : b + 1, :n]), jnp.array([n]), **{**kw, "sampling": one}
+                model,
+                jnp.asarray(tokens[b : b + 1, :width]),
+                jnp.array([n]),
+                **{**kw, "sampling": one},
             )
         p = proc[b][:n]  # processed slots [0, n - 1)
         for k in keys:
