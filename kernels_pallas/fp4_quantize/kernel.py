@@ -113,5 +113,6 @@ def quantize_capture_pallas(
         out_specs=[rows(n // 2), rows(nb), rows(1), rows(n // 8)],
         out_shape=out_shape,
         interpret=interpret,
+        name="fp4_quantize",
         compiler_params=None if interpret else common.triton_params(num_warps=num_warps),
     )(*args)
