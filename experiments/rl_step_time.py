@@ -1,0 +1,161 @@
+r"""GRPO step time of TRACE against plain FP4 rollouts, split into rollout, guidance I/O, training.
+
+  python -m experiments.rl_step_time --config=configs/small_gpu.py --workdir=/tmp/steptime \
+      --methods=trace,fp4_qat --steps=25 --gpus=0,1
+
+Runs each method for `--steps` GRPO steps from the same random initialization (no evaluation, no
+mismatch steps: only the steady loop), each alone on its own GPU (`--gpus`, one per method, run
+concurrently as subprocesses; without it, one after another in this process), then reports the
+median per-step time of each phase over the steps after the first `--skip` (compilation) and the
+ratio of each method's step to the first method's reference, `--reference` (default: the last
+method, the plain FP4 rollout). The paper: TRACE's step takes +7.4% over plain FP4 rollout.
+
+From a random initialization no row stops early, so every method samples full-length responses:
+equal work per step, which a side-by-side timing needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import main as rl_main
+from experiments import results_io
+
+PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
+
+
+def method_config(cfg, method: str, steps: int):
+    """`cfg` for a timing run of `method`: `steps` plain GRPO steps, nothing else timed."""
+    c = cfg.copy_and_resolve_references()
+    c.rl.update(method=method, steps=steps, eval_every=0, mismatch_every=0, init_from="")
+    c.rl.checkpoint_every = steps
+    return c
+
+
+def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
+    """Median seconds per phase and in all over the steps after the first `skip`."""
+    steady = [r for r in rows if r["step"] >= skip]
+    if not steady:
+        raise ValueError(f"no steps after the first {skip} to time (got {len(rows)} steps)")
+    out = {k: float(np.median([r[k] for r in steady])) for k in PHASES}
+    out["time_step_s"] = float(np.median([sum(r[k] for k in PHASES) for r in steady]))
+    out["steps_timed"] = len(steady)
+    out["reward"] = float(np.mean([r["reward"] for r in steady]))
+    return out
+
+
+def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> list[dict]:
+    """One row per method from its `rl_metrics.jsonl`: phase medians, guidance I/O share of the
+    step, and the step time relative to `reference`'s."""
+    rows = []
+    for m in methods:
+        with open(os.path.join(workdir, m, "rl_metrics.jsonl")) as f:
+            logged = [json.loads(line) for line in f if line.strip()]
+        rows.append({"method": m, **step_times(logged, skip)})
+    ref = next(r for r in rows if r["method"] == reference)
+    for r in rows:
+        r["guidance_io_share"] = r["time_guidance_io_s"] / r["time_step_s"]
+        r["step_vs_reference"] = r["time_step_s"] / ref["time_step_s"]
+    return rows
+
+
+def run_method(cfg, workdir: str, method: str, steps: int) -> None:
+    rl_main.run(method_config(cfg, method, steps), os.path.join(workdir, method))
+
+
+def run(
+    cfg,
+    *,
+    workdir: str,
+    methods: Sequence[str],
+    steps: int,
+    skip: int = 2,
+    reference: str = "",
+    gpus: Sequence[str] = (),
+    outdir: str = results_io.RESULTS_DIR,
+    name: str = "rl_step_time",
+) -> list[dict]:
+    reference = reference or methods[-1]
+    if reference not in methods:
+        raise ValueError(f"--reference {reference!r} is not among --methods {list(methods)}")
+    if steps <= skip:
+        raise ValueError(f"--steps={steps} leaves no step after the first --skip={skip}")
+    if gpus:
+        if len(gpus) != len(methods):
+            raise ValueError(f"{len(methods)} methods need {len(methods)} --gpus, got {gpus}")
+        procs = []
+        for m, gpu in zip(methods, gpus, strict=True):
+            cmd = [sys.executable, "-m", "experiments.rl_step_time", f"--worker_method={m}"]
+            cmd += [a for a in sys.argv[1:] if not a.startswith(("--gpus", "--worker_method"))]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+            procs.append((m, subprocess.Popen(cmd, env=env)))
+        failed = [m for m, p in procs if p.wait() != 0]
+        if failed:
+            raise RuntimeError(f"timing runs failed: {failed}")
+    else:
+        for m in methods:
+            run_method(cfg, workdir, m, steps)
+    rows = report(workdir, methods, skip, reference)
+    cols = ["method", *PHASES, "time_step_s", "guidance_io_share", "step_vs_reference"]
+    cols += ["steps_timed", "reward"]
+    placement = "each alone on its own GPU, concurrently" if gpus else "one after another"
+    notes = (
+        f"Model `{cfg.model.preset}` from random initialization, {cfg.rl.prompts_per_step} prompts "
+        f"x {cfg.rl.group_size} samples of {cfg.rl.max_new_tokens} new tokens, "
+        f"{cfg.rl.mini_batches} mini-batches; {steps} steps per method ({placement}), medians "
+        f"over the steps after the first {skip} (compilation). `step_vs_reference`: step time "
+        f"over `{reference}`'s (paper: TRACE +7.4% over plain FP4 rollout)."
+    )
+    results_io.write_results(
+        name,
+        rows,
+        title="GRPO step time: TRACE vs plain FP4 rollout",
+        table=results_io.markdown_table(rows, cols),
+        notes=notes,
+        outdir=outdir,
+    )
+    print(results_io.markdown_table(rows, cols))
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    if f.worker_method:  # a subprocess of --gpus: one method's run, no report
+        run_method(f.config, f.workdir, f.worker_method, f.steps)
+        return
+    logging.info("timing %s", f.methods)
+    run(
+        f.config,
+        workdir=f.workdir,
+        methods=f.methods,
+        steps=f.steps,
+        skip=f.skip,
+        reference=f.reference,
+        gpus=f.gpus,
+        outdir=f.outdir,
+        name=f.name,
+    )
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", None, "experiment config", lock_config=False)
+    flags.DEFINE_string("workdir", "workdir/rl_step_time", "one run directory per method")
+    flags.DEFINE_list("methods", ["trace", "fp4_qat"], "methods to time")
+    flags.DEFINE_integer("steps", 25, "GRPO steps per method")
+    flags.DEFINE_integer("skip", 2, "first steps left out of the medians (compilation)")
+    flags.DEFINE_string("reference", "", "the method others are compared to (default: the last)")
+    flags.DEFINE_list("gpus", [], "one GPU per method: run them concurrently, each alone on one")
+    flags.DEFINE_string("worker_method", "", "internal: run this one method (a --gpus subprocess)")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "rl_step_time", "result file stem")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

@@ -1,0 +1,71 @@
+"""The GRPO step-time report: phase medians over steady steps, shares and ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import tiny_cpu
+from experiments import main as rl_main
+from experiments import rl_step_time
+
+
+def _fake_run(times: dict[str, list[tuple[float, float, float]]]):
+    """Stands in for `rl_main.run`: logs the given (rollout, guidance I/O, train) per step."""
+
+    def run(cfg, workdir, **kw):
+        assert cfg.rl.eval_every == 0 and cfg.rl.mismatch_every == 0 and not cfg.rl.init_from
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "rl_metrics.jsonl"), "w") as f:
+            for step, t in enumerate(times[cfg.rl.method][: cfg.rl.steps]):
+                row = dict(zip(rl_step_time.PHASES, t, strict=True))
+                f.write(json.dumps({"step": step, "reward": 0.1 * step, **row}) + "\n")
+
+    return run
+
+
+def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    times = {
+        m: [(60.0, 0.0, 30.0)] + [tuple(rng.uniform(0.1, 1.0, 3)) for _ in range(6)]
+        for m in ("trace", "fp4_qat")
+    }
+    monkeypatch.setattr(rl_main, "run", _fake_run(times))
+    rows = rl_step_time.run(
+        tiny_cpu.get_config(),
+        workdir=str(tmp_path / "w"),
+        methods=["trace", "fp4_qat"],
+        steps=6,
+        skip=1,
+        outdir=str(tmp_path / "out"),
+        name="st",
+    )
+    for row in rows:
+        steady = np.asarray(times[row["method"]][1:6])  # steps 1..5: compile step left out
+        for j, phase in enumerate(rl_step_time.PHASES):
+            assert row[phase] == pytest.approx(np.median(steady[:, j]))
+        assert row["time_step_s"] == pytest.approx(np.median(steady.sum(1)))
+        assert row["guidance_io_share"] == pytest.approx(
+            row["time_guidance_io_s"] / row["time_step_s"]
+        )
+        assert row["steps_timed"] == 5
+    trace, qat = rows
+    assert trace["step_vs_reference"] == pytest.approx(trace["time_step_s"] / qat["time_step_s"])
+    assert qat["step_vs_reference"] == 1.0  # the last method is the reference
+    assert "TRACE vs plain FP4" in (tmp_path / "out" / "st.md").read_text()
+
+
+def test_bad_arguments(tmp_path):
+    cfg = tiny_cpu.get_config()
+    kw = dict(workdir=str(tmp_path), methods=["trace", "fp4_qat"], outdir=str(tmp_path))
+    with pytest.raises(ValueError, match="--reference"):
+        rl_step_time.run(cfg, steps=5, reference="bf16", **kw)
+    with pytest.raises(ValueError, match="no step after"):
+        rl_step_time.run(cfg, steps=2, skip=2, **kw)
+    with pytest.raises(ValueError, match="need 2 --gpus"):
+        rl_step_time.run(cfg, steps=5, gpus=["0"], **kw)
+    with pytest.raises(ValueError, match="no steps after"):
+        rl_step_time.step_times([{"step": 0}], skip=1)
