@@ -391,6 +391,8 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 "max_staleness_used": rl.mini_batches - 1,
                 "time_rollout_s": t1 - t0,
                 "time_guidance_io_s": t2 - t1 + t_read,
+                "time_guidance_write_s": t2 - t1,  # device -> host -> store, committed
+                "time_guidance_read_s": t_read,  # store -> host -> device, checked
                 "time_train_s": t3 - t2 - t_read,
             }
             history.append(log.write(step, row))

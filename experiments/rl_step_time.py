@@ -30,6 +30,7 @@ from experiments import main as rl_main
 from experiments import results_io
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
+GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
 
 
 def method_config(cfg, method: str, steps: int):
@@ -47,6 +48,9 @@ def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
         raise ValueError(f"no steps after the first {skip} to time (got {len(rows)} steps)")
     out = {k: float(np.median([r[k] for r in steady])) for k in PHASES}
     out["time_step_s"] = float(np.median([sum(r[k] for k in PHASES) for r in steady]))
+    for k in GUIDANCE_IO_PARTS:  # logged since 2026-11-30
+        if all(k in r for r in steady):
+            out[k] = float(np.median([r[k] for r in steady]))
     out["steps_timed"] = len(steady)
     out["reward"] = float(np.mean([r["reward"] for r in steady]))
     return out
@@ -104,7 +108,8 @@ def run(
         for m in methods:
             run_method(cfg, workdir, m, steps)
     rows = report(workdir, methods, skip, reference)
-    cols = ["method", *PHASES, "time_step_s", "guidance_io_share", "step_vs_reference"]
+    cols = ["method", *PHASES, *GUIDANCE_IO_PARTS, "time_step_s", "guidance_io_share"]
+    cols += ["step_vs_reference"]
     cols += ["steps_timed", "reward"]
     placement = "each alone on its own GPU, concurrently" if gpus else "one after another"
     notes = (

@@ -67,6 +67,10 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, uninterrupted):
         for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
     assert all(h["guidance_rtn_fallback_rows"] == 0 for h in full)
+    for h in full:  # guidance I/O is its write and its read, each timed
+        parts = h["time_guidance_write_s"] + h["time_guidance_read_s"]
+        assert h["time_guidance_write_s"] > 0 and h["time_guidance_read_s"] > 0
+        assert parts == pytest.approx(h["time_guidance_io_s"])
 
     # Same final parameters.
     def params(workdir):

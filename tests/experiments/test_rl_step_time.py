@@ -22,6 +22,8 @@ def _fake_run(times: dict[str, list[tuple[float, float, float]]]):
         with open(os.path.join(workdir, "rl_metrics.jsonl"), "w") as f:
             for step, t in enumerate(times[cfg.rl.method][: cfg.rl.steps]):
                 row = dict(zip(rl_step_time.PHASES, t, strict=True))
+                row["time_guidance_write_s"] = 0.25 * t[1]
+                row["time_guidance_read_s"] = 0.75 * t[1]
                 f.write(json.dumps({"step": step, "reward": 0.1 * step, **row}) + "\n")
 
     return run
@@ -52,6 +54,7 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
             row["time_guidance_io_s"] / row["time_step_s"]
         )
         assert row["steps_timed"] == 5
+        assert row["time_guidance_read_s"] == pytest.approx(np.median(0.75 * steady[:, 1]))
     trace, qat = rows
     assert trace["step_vs_reference"] == pytest.approx(trace["time_step_s"] / qat["time_step_s"])
     assert qat["step_vs_reference"] == 1.0  # the last method is the reference
