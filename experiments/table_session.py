@@ -46,10 +46,12 @@ BUNDLE_SUFFIXES = ("rl_metrics.jsonl", "rl_eval.jsonl", "sft_eval.json", "sft_me
 BUNDLE_DIRS_SKIPPED = ("rl_checkpoints", "guidance", "sft_checkpoint", "tensorboard", "jax_cache")
 
 
-def job_env(root: str, gpu: int | None) -> dict[str, str]:
-    """A job's environment: pinned to `gpu`, GPU memory on demand (several runs share a GPU),
-    compiled programs shared through a persistent cache (runs of one method compile alike)."""
+def job_env(root: str, gpu: int | None, per_gpu: int = 1) -> dict[str, str]:
+    """A job's environment: pinned to `gpu`, GPU memory on demand and capped at its share of the
+    GPU (a run that outgrows it fails alone instead of starving its co-tenants), compiled programs
+    shared through a persistent cache (runs of one method compile alike)."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{(950 // per_gpu) / 1000:.3f}")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.abspath(root), "jax_cache"))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -213,11 +215,14 @@ def run_queue(
     return codes
 
 
-def subprocess_launcher(root: str, extra: Sequence[str]) -> Launch:
+def subprocess_launcher(root: str, extra: Sequence[str], per_gpu: int) -> Launch:
     def launch(job: Job, gpu: int | None, log_path: str) -> subprocess.Popen:
         out = open(log_path, "w")
         return subprocess.Popen(
-            job.command(root, extra), stdout=out, stderr=subprocess.STDOUT, env=job_env(root, gpu)
+            job.command(root, extra),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=job_env(root, gpu, per_gpu),
         )
 
     return launch
@@ -294,7 +299,7 @@ def run_session(
             gpus=gpus,
             per_gpu=per_gpu,
             root=root,
-            launch=launch or subprocess_launcher(root, extra),
+            launch=launch or subprocess_launcher(root, extra, per_gpu),
             deadline_s=left,
         )
     else:
