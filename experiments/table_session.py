@@ -46,12 +46,13 @@ BUNDLE_SUFFIXES = ("rl_metrics.jsonl", "rl_eval.jsonl", "sft_eval.json", "sft_me
 BUNDLE_DIRS_SKIPPED = ("rl_checkpoints", "guidance", "sft_checkpoint", "tensorboard", "jax_cache")
 
 
-def job_env(root: str, gpu: int | None, per_gpu: int = 1) -> dict[str, str]:
-    """A job's environment: pinned to `gpu`, GPU memory on demand and capped at its share of the
-    GPU (a run that outgrows it fails alone instead of starving its co-tenants), compiled programs
-    shared through a persistent cache (runs of one method compile alike)."""
+def job_env(root: str, gpu: int | None, mem_fraction: float = 0.0) -> dict[str, str]:
+    """A job's environment: pinned to `gpu`, GPU memory on demand (several runs share a GPU),
+    optionally capped at `mem_fraction` of it (0: no cap), compiled programs shared through a
+    persistent cache (runs of one method compile alike)."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{(950 // per_gpu) / 1000:.3f}")
+    if mem_fraction:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.3f}"
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.abspath(root), "jax_cache"))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -215,14 +216,14 @@ def run_queue(
     return codes
 
 
-def subprocess_launcher(root: str, extra: Sequence[str], per_gpu: int) -> Launch:
+def subprocess_launcher(root: str, extra: Sequence[str], mem_fraction: float = 0.0) -> Launch:
     def launch(job: Job, gpu: int | None, log_path: str) -> subprocess.Popen:
         out = open(log_path, "w")
         return subprocess.Popen(
             job.command(root, extra),
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=job_env(root, gpu, per_gpu),
+            env=job_env(root, gpu, mem_fraction),
         )
 
     return launch
@@ -263,6 +264,7 @@ def run_session(
     gpus: Sequence[int | None] | None = None,
     bundle_path: str = "",
     done_from: str = "",
+    mem_fraction: float = 0.0,
     launch: Launch | None = None,
 ) -> dict[str, int]:
     """SFT once, then the tables' pending jobs on the GPUs; returns job return codes.
@@ -299,7 +301,7 @@ def run_session(
             gpus=gpus,
             per_gpu=per_gpu,
             root=root,
-            launch=launch or subprocess_launcher(root, extra, per_gpu),
+            launch=launch or subprocess_launcher(root, extra, mem_fraction),
             deadline_s=left,
         )
     else:
@@ -320,6 +322,7 @@ def main(argv):
         extra=shlex.split(f.extra),
         bundle_path=f.bundle,
         done_from=f.done_from,
+        mem_fraction=f.mem_fraction,
     )
     failed = sorted(k for k, rc in codes.items() if rc)
     print(f"{len(codes) - len(failed)} jobs finished, {len(failed)} failed: {failed}")
@@ -332,6 +335,7 @@ if __name__ == "__main__":
     flags.DEFINE_float("deadline_s", 0, "start no job after this many seconds (0: no deadline)")
     flags.DEFINE_string("extra", "", "more flags for every paper_table subprocess")
     flags.DEFINE_string("bundle", "", "write run logs to this .tgz at the end")
+    flags.DEFINE_float("mem_fraction", 0.0, "cap each job's GPU memory at this share (0: none)")
     flags.DEFINE_string("done_from", "", "logs of runs finished earlier (experiments/results/runs)")
     flags.mark_flags_as_required(["tables"])
     app.run(main)

@@ -149,12 +149,13 @@ def test_runs_finished_in_earlier_sessions_are_adopted_not_rerun(tmp_path):
     assert table_session.adopt_finished(cfg, str(root), str(tmp_path / "results")) == []
 
 
-def test_job_env_pins_the_gpu_and_caps_its_memory_share(tmp_path, monkeypatch):
+def test_job_env_pins_the_gpu_and_can_cap_its_memory(tmp_path, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    env = table_session.job_env(str(tmp_path), 1, per_gpu=3)
+    env = table_session.job_env(str(tmp_path), 1, mem_fraction=0.3)
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * 3 <= 0.95 + 1e-9
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.300"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in table_session.job_env(str(tmp_path), 0)
     assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax_cache")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert "CUDA_VISIBLE_DEVICES" not in table_session.job_env(str(tmp_path), None)  # the CPU
