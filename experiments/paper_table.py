@@ -202,6 +202,57 @@ def sft_row(cfg, workdir: str) -> dict | None:
     return row
 
 
+def adaptation(
+    cfg, workdir: str, run: str = "trace", reference: str = "bf16"
+) -> dict[str, object] | None:
+    """When `run` first matches `reference` on the hardest benchmark split (the one the SFT
+    policy scores lowest on; without an SFT evaluation, the one `reference` ends lowest on).
+
+    "Matches" at an evaluation step: `run`'s mean over finished seeds is at least `reference`'s
+    mean minus its sample std over seeds. Returns the split, every evaluation step with both
+    means, and `matched_at` (None if never); None if either run has no finished seed.
+    """
+    labels = [lb for lb, _ in cfg.table.runs]
+    if run not in labels or reference not in labels:
+        return None
+    evals = {}
+    for label in (run, reference):
+        seeds = finished_seeds(cfg, workdir, label)
+        if not seeds:
+            return None
+        evals[label] = [
+            _jsonl(os.path.join(run_dir(workdir, label, sd), "rl_eval.jsonl")) for sd in seeds
+        ]
+    bench = [sp for sp in cfg.eval.splits if sp in BENCHMARK_SPLITS]
+    start = sft_row(cfg, workdir)
+    if start is not None:
+        split = min(bench, key=lambda sp: start[sp])
+    else:
+        split = min(bench, key=lambda sp: np.mean([e[-1][sp] for e in evals[reference]]))
+    steps = sorted({r["step"] for e in evals[run] + evals[reference] for r in e})
+    points, matched_at = [], None
+    for step in steps:
+        vals = {
+            label: [r[split] for e in evals[label] for r in e if r["step"] == step]
+            for label in (run, reference)
+        }
+        if not all(len(v) == len(evals[lb]) for lb, v in vals.items()):
+            continue  # a seed without this evaluation
+        ref = np.asarray(vals[reference], np.float64)
+        ref_std = float(ref.std(ddof=1)) if len(ref) > 1 else 0.0
+        got = float(np.mean(vals[run]))
+        points.append({"step": step, run: got, reference: float(ref.mean()), "ref_std": ref_std})
+        if matched_at is None and got >= ref.mean() - ref_std:
+            matched_at = step
+    return {
+        "split": split,
+        "run": run,
+        "reference": reference,
+        "points": points,
+        "matched_at": matched_at,
+    }
+
+
 def _smooth(x: np.ndarray, window: int = 10) -> np.ndarray:
     """Trailing moving average (the first points average what exists so far)."""
     c = np.cumsum(np.insert(np.asarray(x, np.float64), 0, 0.0))
@@ -308,6 +359,18 @@ def run(
     n = len(cfg.table.seeds)
     missing = [f"{r['run']} ({n - r['seeds']} of {n})" for r in rows if r["seeds"] < n]
     missing += [lb for lb, _ in cfg.table.runs if lb not in {r["run"] for r in rows}]
+    adapt = adaptation(cfg, workdir)
+    if adapt is not None:
+        at = adapt["matched_at"]
+        pts = ", ".join(
+            f"step {p['step']}: {p['trace']:.3f} vs {p['bf16']:.3f} +- {p['ref_std']:.3f}"
+            for p in adapt["points"]
+        )
+        notes += (
+            f"\n\nAdaptation: on the hardest split (`{adapt['split']}`, lowest SFT score) `trace` "
+            + (f"first matches `bf16` at step {at}" if at is not None else "never matches `bf16`")
+            + f" (mean over seeds at least bf16's mean minus its std; {pts})."
+        )
     if aggregate_only:
         notes = (
             f"Aggregated from the run logs in `{workdir}` (where and when the runs ran: the logs "
@@ -316,7 +379,13 @@ def run(
     if missing:
         notes = f"**Partial table**: seeds not yet run: {', '.join(missing)}.\n\n" + notes
     results_io.write_results(
-        name, rows, title=cfg.table.title, table=table, notes=notes, outdir=outdir
+        name,
+        rows,
+        title=cfg.table.title,
+        table=table,
+        notes=notes,
+        outdir=outdir,
+        extra={"adaptation": adapt} if adapt is not None else None,
     )
     _plot(cfg, workdir, os.path.join(outdir, f"{name}.png"))
     print(table)

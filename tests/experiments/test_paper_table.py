@@ -144,3 +144,37 @@ def test_run_statistics_average_logged_steps_then_seeds():
     )
     assert "train_rollout_kl_k3" not in got  # never logged: no number
     assert paper_table.run_statistics([[{"step": 0, "reward": 1.0}]]) == {}
+
+
+def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
+    """Hardest split: the SFT policy's lowest; "match": run mean >= reference mean - its std."""
+    cfg = _cfg()
+    cfg.eval.splits = ("level1", "aime24", "aime25")
+    cfg.rl.update(steps=3, eval_every=1)
+    # aime25 is the hardest for the SFT policy; aime24 would be for the reference's last eval.
+    sft_rows = [
+        {"split": s, "pass@1_bf16": v}
+        for s, v in (("level1", 0.1), ("aime24", 0.4), ("aime25", 0.2))
+    ]
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "sft_eval.json").write_text(json.dumps({"rows": sft_rows}))
+    ref = {0: [0.30, 0.40, 0.50], 1: [0.34, 0.44, 0.54]}  # per seed, steps 0..2
+    run = {0: [0.20, 0.40, 0.60], 1: [0.24, 0.42, 0.50]}
+    for label, vals in (("qat", ref), ("qat lr", run)):
+        for seed, series in vals.items():
+            d = tmp_path / label / f"seed{seed}"
+            d.mkdir(parents=True)
+            rows = [{"step": i, "aime24": 0.0, "aime25": v} for i, v in enumerate(series)]
+            (d / "rl_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = paper_table.adaptation(cfg, str(tmp_path), run="qat lr", reference="qat")
+    assert got["split"] == "aime25"
+    # step 0: 0.22 < 0.32 - 0.028; step 1: 0.41 >= 0.42 - 0.028 -> matched at step 1.
+    assert [p["step"] for p in got["points"]] == [0, 1, 2] and got["matched_at"] == 1
+    np.testing.assert_allclose(got["points"][1]["ref_std"], np.std([0.40, 0.44], ddof=1))
+    assert paper_table.adaptation(cfg, str(tmp_path), run="bf16", reference="qat") is None
+    # Never within reach: no step.
+    for seed in (0, 1):
+        rows = [{"step": i, "aime24": 0.0, "aime25": 0.0} for i in range(3)]
+        path = tmp_path / "qat lr" / f"seed{seed}" / "rl_eval.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert paper_table.adaptation(cfg, str(tmp_path), "qat lr", "qat")["matched_at"] is None
