@@ -189,17 +189,34 @@ def run_statistics(metrics: list[list[dict]]) -> dict[str, float]:
     return out
 
 
-def sft_row(cfg, workdir: str) -> dict | None:
-    """The SFT policy's pass@1 (bf16) per split and benchmark average: where every run starts.
-    None if its evaluation is not in the workdir."""
+def sft_row(cfg, workdir: str, execution: str = "bf16") -> dict | None:
+    """The SFT policy's pass@1 per split and benchmark average under `execution` ("bf16", or the
+    FP4 format its evaluation ran, e.g. "nvfp4"): where every run starts. None if that
+    evaluation is not in the workdir."""
     path = os.path.join(workdir, "sft", "sft_eval.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        by_split = {r["split"]: r["pass@1_bf16"] for r in json.load(f)["rows"]}
-    row = {"run": "SFT start (bf16)", **{s: float(by_split[s]) for s in cfg.eval.splits}}
+        rows = json.load(f)["rows"]
+    key = f"pass@1_{execution}"
+    if key not in rows[0]:
+        return None
+    by_split = {r["split"]: r[key] for r in rows}
+    row = {"run": f"SFT start ({execution})", **{s: float(by_split[s]) for s in cfg.eval.splits}}
     row["average"] = float(np.mean([by_split[s] for s in cfg.eval.splits if s in BENCHMARK_SPLITS]))
     return row
+
+
+def sft_rows(cfg, workdir: str) -> list[dict]:
+    """`sft_row` for every execution the SFT evaluation ran (bf16 first)."""
+    path = os.path.join(workdir, "sft", "sft_eval.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        first = json.load(f)["rows"][0]
+    runs = sorted((k.removeprefix("pass@1_") for k in first if k.startswith("pass@1_")),
+                  key=lambda e: e != "bf16")  # fmt: skip
+    return [sft_row(cfg, workdir, e) for e in runs]
 
 
 def adaptation(
@@ -342,8 +359,7 @@ def run(
     name = cfg.table.name
     cols = ["run", "average", "average_std"]
     cols += [c for s in cfg.eval.splits for c in (s, f"{s}_std")] + ["seeds"]
-    start = sft_row(cfg, workdir)
-    table = results_io.markdown_table(rows + ([start] if start else []), cols, fmt=".3f")
+    table = results_io.markdown_table(rows + sft_rows(cfg, workdir), cols, fmt=".3f")
     table += "\n\nTraining-log statistics (means over steps, then seeds; `code_mismatch` and "
     table += "`one_apart_fraction` over the mismatch-measuring steps, every "
     table += f"{cfg.rl.get('mismatch_every', 0)} steps; n/a: the trainer quantizes nothing):\n\n"
@@ -351,7 +367,8 @@ def run(
     notes = (
         f"{cfg.table.title}. Model `{cfg.model.preset}`, SFT warm start {cfg.sft.steps} steps, "
         f"{cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} "
-        f"samples; pass@1 averaged over k = {cfg.eval.k} samples at temperature "
+        "samples; pass@1 with each run's own rollout execution (FP4 methods in FP4, `bf16` in "
+        f"bf16; the SFT start under both), averaged over k = {cfg.eval.k} samples at temperature "
         f"{cfg.eval.temperature}, {cfg.eval.problems_per_split} problems per split; mean and "
         f"sample std over seeds {list(cfg.table.seeds)}. `average`: mean over "
         f"{[s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]}.\n\n![curves]({name}.png)"

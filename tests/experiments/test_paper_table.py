@@ -83,6 +83,12 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     aime = [r["pass@1_bf16"] for r in sft_eval if r["split"] == "aime24"]
     assert start["average"] == pytest.approx(aime[0])  # the test config's one benchmark split
     assert "| SFT start (bf16) |" in (out / "t.md").read_text()
+    # The FP4 methods are evaluated in FP4: the SFT start under the FP4 execution is shown too.
+    assert [r["run"] for r in paper_table.sft_rows(cfg, str(work))] == [
+        "SFT start (bf16)",
+        "SFT start (nvfp4)",
+    ]
+    assert "| SFT start (nvfp4) |" in (out / "t.md").read_text()
     assert paper_table.sft_row(cfg, str(tmp_path / "none")) is None
     assert saved == json.loads(json.dumps(rows))
     # From the run logs alone (no checkpoints, no SFT stage: as brought back from a GPU session).
