@@ -11,7 +11,10 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = ml_collections.ConfigDict({"preset": "tiny", "init_std": 0.02})
+    # grouped_matmul: "ragged_dot" or "tiled" (trace_jax/models/grouped_matmul.py).
+    c.model = ml_collections.ConfigDict(
+        {"preset": "tiny", "init_std": 0.02, "grouped_matmul": "ragged_dot"}
+    )
     # Devices: "data" splits each rollout batch, "expert" the routed experts (1 x 1: one device).
     c.mesh = ml_collections.ConfigDict({"data": 1, "expert": 1})
     c.tasks = ml_collections.ConfigDict(

@@ -44,7 +44,10 @@ def model_config(cfg) -> ModelConfig:
     presets = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
     if cfg.model.preset not in presets:
         raise ValueError(f"unknown model preset {cfg.model.preset!r}; expected {sorted(presets)}")
-    return presets[cfg.model.preset](init_std=cfg.model.init_std)
+    return presets[cfg.model.preset](
+        init_std=cfg.model.init_std,
+        grouped_matmul=cfg.model.get("grouped_matmul", "ragged_dot"),
+    )
 
 
 def pad_length(levels) -> int:

@@ -96,6 +96,9 @@ class ModelConfig:
       tie_embeddings: LM head shares the embedding matrix.
       init_std: standard deviation of the normal initializer of every matrix.
       dtype: compute dtype. param_dtype: storage dtype of parameters.
+      grouped_matmul: the routed experts' grouped matmul, "ragged_dot" (`jax.lax.ragged_dot`) or
+        "tiled" (`grouped_matmul.tiled_ragged_dot`: no E-fold dense expansion where XLA has no
+        grouped kernel); same numbers either way.
     """
 
     vocab_size: int
@@ -117,8 +120,14 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
+    grouped_matmul: str = "ragged_dot"
 
     def __post_init__(self):
+        if self.grouped_matmul not in ("ragged_dot", "tiled"):
+            raise ValueError(
+                f"ModelConfig.grouped_matmul must be 'ragged_dot' or 'tiled', "
+                f"got {self.grouped_matmul!r}"
+            )
         positive = (
             "vocab_size",
             "d_model",

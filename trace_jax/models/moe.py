@@ -4,7 +4,8 @@ Axis legend (einsum letters in parentheses): B batch (b), T time (t), D model (d
 K top-k slots (k), F expert ffn width (f), M = B*T*K (token, slot) assignments (m).
 
 The routed experts run grouped: the M assignments are sorted by expert and each projection is one
-`jax.lax.ragged_dot` over the E contiguous groups. `experts_dense` is the reference (every token
+grouped matmul over the E contiguous groups (`jax.lax.ragged_dot`, or its tiled XLA form:
+`ModelConfig.grouped_matmul`, `grouped_matmul.py`). `experts_dense` is the reference (every token
 through every expert, masked combine); both call the "expert_mid" site on the same [B, T, K, F]
 tensor in (token, slot) order, so they agree for any site.
 """
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.models.config import ModelConfig, QuantSite, SiteName, identity_site
+from trace_jax.models.grouped_matmul import GroupedMatmul, grouped_dot
 
 
 class MoEImpl(enum.StrEnum):
@@ -126,8 +128,10 @@ def experts_grouped(
     *,
     layer: int,
     site: QuantSite = identity_site,
+    matmul: GroupedMatmul | str = GroupedMatmul.RAGGED_DOT,
 ) -> jax.Array:
-    """Routed SwiGLU experts by sorted assignments and `ragged_dot`; returns [B, T, D] in x.dtype.
+    """Routed SwiGLU experts by sorted assignments and a grouped matmul (`matmul`: `ragged_dot`
+    or the tiled form, `grouped_matmul.grouped_dot`); returns [B, T, D] in x.dtype.
 
     x [B, T, D] (already through the "expert_in" site); w_gate, w_up [E, F, D]; w_down [E, D, F]
     (contraction dim last, already through their sites). `site` is used for "expert_mid" only.
@@ -137,15 +141,15 @@ def experts_grouped(
     m = b * t * top_k
     order, inverse, group_sizes = _sort_by_expert(routing, w_gate.shape[0])
     x_sorted = x.reshape(b * t, d)[order // top_k]  # [M, D]
-    gate = jax.lax.ragged_dot(x_sorted, _swap_last(w_gate), group_sizes)  # [M, F]
-    up = jax.lax.ragged_dot(x_sorted, _swap_last(w_up), group_sizes)
+    gate = grouped_dot(x_sorted, _swap_last(w_gate), group_sizes, matmul)  # [M, F]
+    up = grouped_dot(x_sorted, _swap_last(w_up), group_sizes, matmul)
     h = jax.nn.silu(gate) * up  # [M, F] expert-sorted
     if site is not identity_site:  # the site sees (token, slot) order; skip two gathers if no-op
         f = h.shape[-1]
         h_tok = h[inverse].reshape(b, t, top_k, f)
         h_tok = site(h_tok, name=SiteName.EXPERT_MID, layer=layer, experts=routing.topk_idx)
         h = h_tok.reshape(m, f)[order]
-    y_sorted = jax.lax.ragged_dot(h, _swap_last(w_down), group_sizes)  # [M, D]
+    y_sorted = grouped_dot(h, _swap_last(w_down), group_sizes, matmul)  # [M, D]
     return _combine(y_sorted, inverse, routing, x.dtype)
 
 
@@ -337,9 +341,13 @@ class MoE(nnx.Module):
         w_gate = site(self.w_gate[...].astype(dt), name=SiteName.W_GATE, layer=layer)
         w_up = site(self.w_up[...].astype(dt), name=SiteName.W_UP, layer=layer)
         w_down = site(self.w_down[...].astype(dt), name=SiteName.W_DOWN, layer=layer)
-        impl = MoEImpl(impl)
-        experts = experts_grouped if impl == MoEImpl.GROUPED else experts_dense
-        y = experts(x_q, w_gate, w_up, w_down, routing, layer=layer, site=site)
+        if MoEImpl(impl) == MoEImpl.GROUPED:
+            y = experts_grouped(
+                x_q, w_gate, w_up, w_down, routing, layer=layer, site=site,
+                matmul=cfg.grouped_matmul,
+            )  # fmt: skip
+        else:
+            y = experts_dense(x_q, w_gate, w_up, w_down, routing, layer=layer, site=site)
         return self._add_shared(x, y), routing, aux_loss
 
     def _add_shared(self, x: jax.Array, y: jax.Array) -> jax.Array:

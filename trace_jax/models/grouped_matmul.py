@@ -1,0 +1,109 @@
+"""Grouped (ragged) matmul of expert-sorted rows: `jax.lax.ragged_dot` or a tiled XLA form.
+
+`ragged_dot(lhs [M, K], rhs [E, K, N], group_sizes [E])` multiplies rows
+`[sum(g[:e]), sum(g[:e + 1]))` of `lhs` by `rhs[e]`. XLA's default GPU lowering of it (where no
+cuDNN kernel applies) expands `lhs` into E zero-padded copies and runs one batched dot over all
+groups: E times the FLOPs and an `[E, M, ...]` buffer per projection, forward and backward
+(openxla/xla PR 45996 describes that default; marin-community/marin PR 5350 measured 54 GiB of
+temporaries for it in an MoE train step).
+
+`tiled_ragged_dot` computes the same product with ordinary XLA ops at ~(1 + E * tile / M) times
+the exact FLOPs: each group's rows are moved to a tile-aligned offset of a padded buffer of
+`M + E * (tile - 1)` rows (rounded up to whole tiles), every tile of `tile` rows takes its
+group's weight matrix, and one batched dot `[n_tiles, tile, K] x [n_tiles, K, N]` runs. Rows of a
+tile beyond its group are zeros, so no product leaks between groups. Gradients come from XLA's
+autodiff of the gathers and the batched dot (the weights' gradient is a segment sum over tiles).
+Its memory: the padded rows and one `[n_tiles, K, N]` copy of the gathered weights per
+projection.
+
+Axis legend: M rows (expert-sorted), K contraction, N output, E groups, P padded rows.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class GroupedMatmul(enum.StrEnum):
+    """Which grouped matmul routed experts use."""
+
+    RAGGED_DOT = "ragged_dot"
+    TILED = "tiled"
+
+
+def default_tile(m: int, n_groups: int) -> int:
+    """Rows per tile: the power of two nearest M / E (the mean group), within [8, 128]."""
+    mean = max(m // max(n_groups, 1), 1)
+    return int(min(128, max(8, 1 << (mean.bit_length() - 1))))
+
+
+def tiled_ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tile: int | None = None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` by tile-aligned groups and one batched dot.
+
+    Args:
+      lhs: [M, K], rows sorted by group. rhs: [E, K, N]. group_sizes: int32 [E], sum <= M
+        (rows past the sum belong to no group and give zeros, as in `ragged_dot`).
+      tile: rows per tile (default `default_tile(M, E)`).
+      preferred_element_type: accumulation / output dtype of the dot (default: lhs.dtype, with
+        the platform's accumulation).
+
+    Returns: [M, N] in `preferred_element_type or lhs.dtype`.
+    """
+    m, k = lhs.shape
+    e, k2, n = rhs.shape
+    if k != k2 or group_sizes.shape != (e,):
+        raise ValueError(
+            f"tiled_ragged_dot: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
+            f"{group_sizes.shape} do not fit [M, K] x [E, K, N] with [E] group sizes"
+        )
+    tile = tile or default_tile(m, e)
+    n_tiles = -(-(m + e * (tile - 1)) // tile)  # static bound on the tiles all groups need
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes  # first row of each group in lhs
+    tiles_per_group = (sizes + tile - 1) // tile
+    tile_starts = jnp.cumsum(tiles_per_group) - tiles_per_group  # first tile of each group
+    # Row i of lhs: its group, its index within the group, its padded slot.
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group_of_row = jnp.searchsorted(jnp.cumsum(sizes), rows, side="right").astype(jnp.int32)
+    in_group = group_of_row < e  # rows past sum(group_sizes) belong to no group
+    g = jnp.minimum(group_of_row, e - 1)
+    slot = tile_starts[g] * tile + rows - starts[g]
+    slot = jnp.where(in_group, slot, n_tiles * tile)  # out of bounds: dropped
+    padded = jnp.zeros((n_tiles * tile, k), lhs.dtype).at[slot].set(lhs, mode="drop")
+    # Tile j belongs to the group whose tile range holds j (tiles past the last are unused and
+    # take any group's weights: their rows are zeros and nobody reads their outputs).
+    tile_group = jnp.searchsorted(
+        jnp.cumsum(tiles_per_group), jnp.arange(n_tiles, dtype=jnp.int32), side="right"
+    )
+    w = rhs[jnp.minimum(tile_group, e - 1)]  # [n_tiles, K, N]
+    out = jnp.einsum(
+        "jtk,jkn->jtn",
+        padded.reshape(n_tiles, tile, k),
+        w,
+        preferred_element_type=preferred_element_type,
+    ).reshape(n_tiles * tile, n)
+    # A row in no group reads the last padded row: never a group's (the groups fill at most
+    # sum(group_sizes) + E * (tile - 1) < n_tiles * tile rows when rows are left over), so zeros.
+    return out[jnp.minimum(slot, n_tiles * tile - 1)]
+
+
+def grouped_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    impl: GroupedMatmul | str = GroupedMatmul.RAGGED_DOT,
+) -> jax.Array:
+    """The grouped matmul `impl` of `lhs [M, K]` by `rhs [E, K, N]` over `group_sizes [E]`."""
+    if GroupedMatmul(impl) is GroupedMatmul.TILED:
+        return tiled_ragged_dot(lhs, rhs, group_sizes).astype(lhs.dtype)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
