@@ -13,9 +13,10 @@ r"""One GPU session of paper tables: their (run, seed) pairs as a queue of jobs 
    starts after `--deadline_s`; what is unfinished then stays a job for the next session.
 3. `<root>/session.jsonl` logs every job's start and end (time, GPU, return code); `--bundle`
    writes the run logs (no checkpoints or guidance stores), the SFT evaluation and the job logs to
-   one tarball, as brought back from a device session. Unpack each `<table name>/` into
-   `experiments/results/runs/<table name>/` with the shared `sft/` beside its runs, and
-   aggregate with `paper_table --aggregate_only` (`--partial` while seeds are missing).
+   one tarball, as brought back from a device session. `--unpack=runs.tgz --tag=<date>` puts
+   it into `experiments/results/runs/<table name>/` (the shared `sft/` beside each table's runs,
+   job logs under `logs/`); then `paper_table --aggregate_only` (`--partial` while seeds are
+   missing) writes each table from its logs.
 
 `--extra` passes more flags to every subprocess (config overrides; the tests use a tiny model).
 One `small` run leaves an H200 mostly idle: three runs per GPU took 1.0-1.7 s per GRPO step each
@@ -244,6 +245,38 @@ def bundle(root: str, path: str) -> list[str]:
     return names
 
 
+def unpack_bundle(path: str, dest: str, tag: str) -> list[str]:
+    """Unpacks a session's bundle into `<dest>/<table name>/` (e.g. `experiments/results/runs`):
+    each table's run logs, the shared SFT evaluation as that table's `sft/`, and the job logs
+    and session log of its jobs under `logs/` (prefixed with `tag`, e.g. the session's date).
+    Run logs already in `dest` are not overwritten (a run is finished once). Returns the tables.
+    """
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        tables = sorted(
+            {m.name.split("/")[0] for m in members if m.name.count("/") >= 3}  # t/label/seedK/f
+        )
+        for m in members:
+            parts = m.name.split("/")
+            data = tar.extractfile(m).read()
+            if parts[0] in tables:
+                targets = [os.path.join(dest, *parts)]
+            elif parts[0] == "sft":
+                targets = [os.path.join(dest, t, *parts) for t in tables]
+            elif parts[0] == "logs":
+                owner = [t for t in tables if parts[1].startswith(t + "_")] or tables
+                targets = [os.path.join(dest, t, "logs", f"{tag}_{parts[1]}") for t in owner]
+            else:  # session.jsonl
+                targets = [os.path.join(dest, t, "logs", f"{tag}_{parts[-1]}") for t in tables]
+            for target in targets:
+                if parts[0] in tables and os.path.exists(target):
+                    continue
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(data)
+    return tables
+
+
 def visible_gpus() -> list[int | None]:
     """GPU indices from `nvidia-smi -L` (without initializing JAX here); [None] without GPUs."""
     try:
@@ -314,6 +347,12 @@ def run_session(
 def main(argv):
     del argv
     f = flags.FLAGS
+    if f.unpack:  # back from the device: the bundle into the results tree
+        tables = unpack_bundle(f.unpack, f.unpack_to, f.tag)
+        print(f"unpacked {tables} into {f.unpack_to}")
+        return
+    if not f.tables:
+        raise app.UsageError("--tables is required (or --unpack)")
     codes = run_session(
         f.tables,
         root=f.root,
@@ -337,5 +376,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("bundle", "", "write run logs to this .tgz at the end")
     flags.DEFINE_float("mem_fraction", 0.0, "cap each job's GPU memory at this share (0: none)")
     flags.DEFINE_string("done_from", "", "logs of runs finished earlier (experiments/results/runs)")
-    flags.mark_flags_as_required(["tables"])
+    flags.DEFINE_string("unpack", "", "a bundle to unpack into --unpack_to instead of running")
+    flags.DEFINE_string("unpack_to", "experiments/results/runs", "where bundles are unpacked")
+    flags.DEFINE_string("tag", "session", "prefix of the unpacked job and session logs")
     app.run(main)

@@ -159,3 +159,34 @@ def test_job_env_pins_the_gpu_and_can_cap_its_memory(tmp_path, monkeypatch):
     assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax_cache")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert "CUDA_VISIBLE_DEVICES" not in table_session.job_env(str(tmp_path), None)  # the CPU
+
+
+def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
+    root = tmp_path / "root"
+    files = {
+        "t1/trace/seed0/rl_eval.jsonl": "new",
+        "t1/bf16/seed0/rl_eval.jsonl": "new",
+        "t4/trace_x/seed1/rl_metrics.jsonl": "m",
+        "sft/sft_eval.json": "sft",
+        "logs/t1_trace_seed0.0.log": "log1",
+        "logs/t4_trace_x_seed1.0.log": "log4",
+        "logs/sft.log": "sftlog",
+        "session.jsonl": "events",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    table_session.bundle(str(root), str(tmp_path / "b.tgz"))
+    dest = tmp_path / "runs"
+    (dest / "t1" / "bf16" / "seed0").mkdir(parents=True)
+    (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").write_text("old")  # finished earlier
+    assert table_session.unpack_bundle(str(tmp_path / "b.tgz"), str(dest), "s6") == ["t1", "t4"]
+    assert (dest / "t1" / "trace" / "seed0" / "rl_eval.jsonl").read_text() == "new"
+    assert (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").read_text() == "old"
+    assert (dest / "t4" / "trace_x" / "seed1" / "rl_metrics.jsonl").read_text() == "m"
+    for t in ("t1", "t4"):
+        assert (dest / t / "sft" / "sft_eval.json").read_text() == "sft"
+        assert (dest / t / "logs" / "s6_session.jsonl").read_text() == "events"
+        assert (dest / t / "logs" / "s6_sft.log").read_text() == "sftlog"
+    assert (dest / "t1" / "logs" / "s6_t1_trace_seed0.0.log").exists()
+    assert not (dest / "t1" / "logs" / "s6_t4_trace_x_seed1.0.log").exists()
