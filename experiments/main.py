@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import time
 from typing import Any
@@ -34,7 +33,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import sft
-from experiments.metrics_log import MetricsLog, drop_rows_from
+from experiments.metrics_log import MetricsLog, drop_rows_from, read_rows
 from trace_jax import tasks
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
@@ -432,7 +431,7 @@ def _evaluate(model, cfg, setup, step, workdir) -> None:
 
 def _plot(workdir: str) -> None:
     path = os.path.join(workdir, "rl_metrics.jsonl")
-    rows = [json.loads(line) for line in open(path).read().splitlines()]
+    rows = read_rows(path)
     if not rows:
         return
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))

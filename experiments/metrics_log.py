@@ -19,6 +19,15 @@ from typing import Any
 from tensorboardX import SummaryWriter
 
 
+def read_rows(path: str, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The rows of a `.jsonl` record (one JSON object per line; blank lines skipped).
+    A missing file is an error unless `missing_ok` (then no rows)."""
+    if missing_ok and not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def drop_rows_from(workdir: str, name: str, step: int) -> int:
     """Removes the rows of `<workdir>/<name>.jsonl` at `step` and later; returns how many.
 
@@ -26,15 +35,12 @@ def drop_rows_from(workdir: str, name: str, step: int) -> int:
     interrupted attempt logged for them would otherwise appear twice.
     """
     path = os.path.join(workdir, f"{name}.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] < step]
-    if len(kept) < len(lines):
+    rows = read_rows(path, missing_ok=True)
+    kept = [r for r in rows if r["step"] < step]
+    if len(kept) < len(rows):
         with open(path, "w") as f:
-            f.writelines(line + "\n" for line in kept)
-    return len(lines) - len(kept)
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+    return len(rows) - len(kept)
 
 
 class MetricsLog:

@@ -39,6 +39,7 @@ from ml_collections import config_flags
 
 from experiments import main as rl_main
 from experiments import results_io, sft
+from experiments.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -64,9 +65,7 @@ def run_config(cfg, label: str, overrides: dict, seed: int, sft_checkpoint: str)
 
 
 def _jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path).read().splitlines() if line.strip()]
+    return read_rows(path, missing_ok=True)
 
 
 def steps_done(directory: str) -> int:

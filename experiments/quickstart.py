@@ -11,7 +11,6 @@ last checkpoint (the SFT stage is skipped when its checkpoint exists).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -21,6 +20,7 @@ from ml_collections import config_flags
 
 from experiments import main as rl_main
 from experiments import results_io, sft
+from experiments.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -30,7 +30,7 @@ def _final_rl_eval(workdir: str) -> dict:
     path = os.path.join(workdir, "rl_eval.jsonl")
     if not os.path.exists(path):
         raise RuntimeError(f"the RL run wrote no evaluation ({path}); set rl.eval_every")
-    return json.loads(open(path).read().splitlines()[-1])
+    return read_rows(path)[-1]
 
 
 def run(cfg, workdir: str) -> list[dict]:
@@ -81,7 +81,7 @@ def run(cfg, workdir: str) -> list[dict]:
 
 
 def _plot(rows: list[dict], rl_dir: str, path: str) -> None:
-    metrics = [json.loads(line) for line in open(os.path.join(rl_dir, "rl_metrics.jsonl"))]
+    metrics = read_rows(os.path.join(rl_dir, "rl_metrics.jsonl"))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
     ax1.plot([m["step"] for m in metrics], [m["reward"] for m in metrics], "o-", ms=3)
     ax1.set(xlabel="RL step", ylabel="mean reward", title="RL reward")

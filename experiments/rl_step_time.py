@@ -16,7 +16,6 @@ equal work per step, which a side-by-side timing needs.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from ml_collections import config_flags
 
 from experiments import main as rl_main
 from experiments import results_io
+from experiments.metrics_log import read_rows
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
 GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
@@ -61,8 +61,7 @@ def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> l
     step, and the step time relative to `reference`'s."""
     rows = []
     for m in methods:
-        with open(os.path.join(workdir, m, "rl_metrics.jsonl")) as f:
-            logged = [json.loads(line) for line in f if line.strip()]
+        logged = read_rows(os.path.join(workdir, m, "rl_metrics.jsonl"))
         rows.append({"method": m, **step_times(logged, skip)})
     ref = next(r for r in rows if r["method"] == reference)
     for r in rows:

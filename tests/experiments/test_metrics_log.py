@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
 from tensorboardX.proto import event_pb2
 
 from experiments.metrics_log import MetricsLog
@@ -40,3 +41,18 @@ def test_jsonl_and_tensorboard_agree_and_append(tmp_path):
     with MetricsLog(str(tmp_path), "rl_metrics") as log:  # a fresh run truncates
         log.write(0, {"reward": 1.0})
     assert len((tmp_path / "rl_metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_read_rows_and_drop_rows_from(tmp_path):
+    from experiments.metrics_log import drop_rows_from, read_rows
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"step": 0, "a": 1.5}\n\n{"step": 1, "a": 2}\n{"step": 2, "a": 3}\n')
+    assert read_rows(str(path)) == [{"step": 0, "a": 1.5}, {"step": 1, "a": 2}, {"step": 2, "a": 3}]
+    assert read_rows(str(tmp_path / "none.jsonl"), missing_ok=True) == []
+    with pytest.raises(FileNotFoundError):
+        read_rows(str(tmp_path / "none.jsonl"))
+    # A resumed run redoes steps >= 1: their rows go, earlier rows stay as they were.
+    assert drop_rows_from(str(tmp_path), "r", 1) == 2
+    assert read_rows(str(path)) == [{"step": 0, "a": 1.5}]
+    assert drop_rows_from(str(tmp_path), "r", 1) == 0 and drop_rows_from(str(tmp_path), "x", 0) == 0

@@ -48,6 +48,9 @@ def test_ptq_table_rows(tmp_path):
         np.testing.assert_allclose(r["average_seeds"], per_seed_avg)
     errors = [r["weight_sq_error_seeds"] for r in rows if "weight_sq_error" in r]
     assert len(errors) == 3 and all(e[0] > 0 and e[0] != e[1] for e in errors)  # seeds differ
+    for r in rows[1:4]:  # the weight error differs between seeds: its std is not 0
+        vals = r["weight_sq_error_seeds"]
+        np.testing.assert_allclose(r["weight_sq_error_std"], np.std(vals, ddof=1), rtol=1e-6)
     saved = json.loads((tmp_path / "out" / "t7.json").read_text())
     assert len(saved["rows"]) == 5
     assert "Table 7 analog" in (tmp_path / "out" / "t7.md").read_text()
