@@ -48,7 +48,8 @@ BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
 
 
 def run_dir(workdir: str, label: str, seed: int) -> str:
-    return os.path.join(workdir, label, f"seed{seed}")
+    """`<workdir>/<label>/seed<k>`, spaces in the label (e.g. "trace mxfp4_w4a4") as "_"."""
+    return os.path.join(workdir, label.replace(" ", "_"), f"seed{seed}")
 
 
 def run_config(cfg, label: str, overrides: dict, seed: int, sft_checkpoint: str):

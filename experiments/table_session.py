@@ -249,7 +249,10 @@ def unpack_bundle(path: str, dest: str, tag: str) -> list[str]:
     """Unpacks a session's bundle into `<dest>/<table name>/` (e.g. `experiments/results/runs`):
     each table's run logs, the shared SFT evaluation as that table's `sft/`, and the job logs
     and session log of its jobs under `logs/` (prefixed with `tag`, e.g. the session's date).
-    Run logs already in `dest` are not overwritten (a run is finished once). Returns the tables.
+    Run logs already in `dest` are not overwritten (a run is finished once). An SFT record
+    already there that differs (GPU SFT is not bitwise reproducible, so a session that had to
+    redo SFT starts its runs from a different checkpoint) is kept too: the new one goes beside
+    it as `sft/<tag>_<name>`, so each run's starting point stays on record. Returns the tables.
     """
     with tarfile.open(path) as tar:
         members = [m for m in tar.getmembers() if m.isfile()]
@@ -271,6 +274,11 @@ def unpack_bundle(path: str, dest: str, tag: str) -> list[str]:
             for target in targets:
                 if parts[0] in tables and os.path.exists(target):
                     continue
+                if parts[0] == "sft" and os.path.exists(target):
+                    with open(target, "rb") as f:
+                        if f.read() == data:
+                            continue
+                    target = os.path.join(os.path.dirname(target), f"{tag}_{parts[-1]}")
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 with open(target, "wb") as f:
                     f.write(data)

@@ -58,7 +58,7 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     # Two workers split the four (run, seed) pairs; neither writes the table.
     assert paper_table.run(cfg, str(work), shard=(1, 2), **kw) is None
     done = {(p.parent.name, p.name) for p in work.glob("*/seed*") if (p / "rl_eval.jsonl").exists()}
-    assert done == {("qat", "seed1"), ("qat lr", "seed1")} and not (out / "t.json").exists()
+    assert done == {("qat", "seed1"), ("qat_lr", "seed1")} and not (out / "t.json").exists()
     assert paper_table.run(cfg, str(work), shard=(0, 2), **kw) is None
     rows = paper_table.run(cfg, str(work), **kw)  # everything finished: aggregates only
     assert [r["run"] for r in rows] == ["qat", "qat lr"]
@@ -66,7 +66,7 @@ def test_runs_resume_and_aggregate(tmp_path, monkeypatch):
     for row, (label, _) in zip(rows, cfg.table.runs, strict=True):
         finals = saved_finals[label] = []
         for seed in (0, 1):
-            d = work / label / f"seed{seed}"
+            d = work / label.replace(" ", "_") / f"seed{seed}"
             evals = [json.loads(x) for x in (d / "rl_eval.jsonl").read_text().splitlines()]
             assert [e["step"] for e in evals] == [0, 1]
             finals.append(evals[-1])
@@ -168,7 +168,7 @@ def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
     run = {0: [0.20, 0.40, 0.60], 1: [0.24, 0.42, 0.50]}
     for label, vals in (("qat", ref), ("qat lr", run)):
         for seed, series in vals.items():
-            d = tmp_path / label / f"seed{seed}"
+            d = tmp_path / label.replace(" ", "_") / f"seed{seed}"  # run dirs have no spaces
             d.mkdir(parents=True)
             rows = [{"step": i, "aime24": 0.0, "aime25": v} for i, v in enumerate(series)]
             (d / "rl_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -181,6 +181,6 @@ def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
     # Never within reach: no step.
     for seed in (0, 1):
         rows = [{"step": i, "aime24": 0.0, "aime25": 0.0} for i in range(3)]
-        path = tmp_path / "qat lr" / f"seed{seed}" / "rl_eval.jsonl"
+        path = tmp_path / "qat_lr" / f"seed{seed}" / "rl_eval.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert paper_table.adaptation(cfg, str(tmp_path), "qat lr", "qat")["matched_at"] is None

@@ -180,12 +180,17 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
     dest = tmp_path / "runs"
     (dest / "t1" / "bf16" / "seed0").mkdir(parents=True)
     (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").write_text("old")  # finished earlier
+    (dest / "t1" / "sft").mkdir()
+    (dest / "t1" / "sft" / "sft_eval.json").write_text("sft of an earlier session")
     assert table_session.unpack_bundle(str(tmp_path / "b.tgz"), str(dest), "s6") == ["t1", "t4"]
     assert (dest / "t1" / "trace" / "seed0" / "rl_eval.jsonl").read_text() == "new"
     assert (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").read_text() == "old"
     assert (dest / "t4" / "trace_x" / "seed1" / "rl_metrics.jsonl").read_text() == "m"
+    assert (dest / "t1" / "sft" / "sft_eval.json").read_text() == "sft of an earlier session"
+    assert (dest / "t1" / "sft" / "s6_sft_eval.json").read_text() == "sft"
+    assert (dest / "t4" / "sft" / "sft_eval.json").read_text() == "sft"
+    assert not (dest / "t4" / "sft" / "s6_sft_eval.json").exists()
     for t in ("t1", "t4"):
-        assert (dest / t / "sft" / "sft_eval.json").read_text() == "sft"
         assert (dest / t / "logs" / "s6_session.jsonl").read_text() == "events"
         assert (dest / t / "logs" / "s6_sft.log").read_text() == "sftlog"
     assert (dest / "t1" / "logs" / "s6_t1_trace_seed0.0.log").exists()
