@@ -9,6 +9,8 @@ concurrently as subprocesses; without it, one after another in this process), th
 median per-step time of each phase over the steps after the first `--skip` (compilation) and the
 ratio of each method's step to the first method's reference, `--reference` (default: the last
 method, the plain FP4 rollout). The paper: TRACE's step takes +7.4% over plain FP4 rollout.
+With `--gpus`, each method's process also records its device's peak memory (`peak_memory_gib`,
+where the backend reports it: GPUs do, the CPU does not).
 
 From a random initialization no row stops early, so every method samples full-length responses:
 equal work per step, which a side-by-side timing needs.
@@ -16,12 +18,14 @@ equal work per step, which a side-by-side timing needs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 
 import numpy as np
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -30,6 +34,7 @@ from experiments import results_io
 from experiments.metrics_log import read_rows
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
+MEMORY_FILE = "device_memory.json"
 GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
 
 
@@ -63,6 +68,10 @@ def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> l
     for m in methods:
         logged = read_rows(os.path.join(workdir, m, "rl_metrics.jsonl"))
         rows.append({"method": m, **step_times(logged, skip)})
+        memory = os.path.join(workdir, m, MEMORY_FILE)
+        if os.path.exists(memory):
+            with open(memory) as f:
+                rows[-1]["peak_memory_gib"] = json.load(f)["peak_bytes_in_use"] / 2**30
     ref = next(r for r in rows if r["method"] == reference)
     for r in rows:
         r["guidance_io_share"] = r["time_guidance_io_s"] / r["time_step_s"]
@@ -70,8 +79,14 @@ def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> l
     return rows
 
 
-def run_method(cfg, workdir: str, method: str, steps: int) -> None:
+def run_method(cfg, workdir: str, method: str, steps: int, record_memory: bool = False) -> None:
+    """Runs `method`; with `record_memory` (a process of its own), writes the device's peak
+    memory over the run to `<workdir>/<method>/device_memory.json` where the backend has it."""
     rl_main.run(method_config(cfg, method, steps), os.path.join(workdir, method))
+    stats = jax.local_devices()[0].memory_stats() if record_memory else None
+    if stats and "peak_bytes_in_use" in stats:
+        with open(os.path.join(workdir, method, MEMORY_FILE), "w") as f:
+            json.dump({"peak_bytes_in_use": int(stats["peak_bytes_in_use"])}, f)
 
 
 def run(
@@ -110,6 +125,7 @@ def run(
     cols = ["method", *PHASES, *GUIDANCE_IO_PARTS, "time_step_s", "guidance_io_share"]
     cols += ["step_vs_reference"]
     cols += ["steps_timed", "reward"]
+    cols += ["peak_memory_gib"] if all("peak_memory_gib" in r for r in rows) else []
     placement = "each alone on its own GPU, concurrently" if gpus else "one after another"
     notes = (
         f"Model `{cfg.model.preset}` from random initialization, {cfg.rl.prompts_per_step} prompts "
@@ -134,7 +150,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     if f.worker_method:  # a subprocess of --gpus: one method's run, no report
-        run_method(f.config, f.workdir, f.worker_method, f.steps)
+        run_method(f.config, f.workdir, f.worker_method, f.steps, record_memory=True)
         return
     logging.info("timing %s", f.methods)
     run(

@@ -59,6 +59,27 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
     assert trace["step_vs_reference"] == pytest.approx(trace["time_step_s"] / qat["time_step_s"])
     assert qat["step_vs_reference"] == 1.0  # the last method is the reference
     assert "TRACE vs plain FP4" in (tmp_path / "out" / "st.md").read_text()
+    assert "peak_memory_gib" not in trace  # not recorded (one process, no memory files)
+
+
+def test_peak_memory_recorded_per_method_process(tmp_path, monkeypatch):
+    times = {m: [(1.0, 0.0, 1.0)] * 4 for m in ("a", "b")}
+    monkeypatch.setattr(rl_main, "run", _fake_run(times))
+    work = tmp_path / "w"
+    peaks = {"a": 3 * 2**30, "b": 5 * 2**29}
+
+    class Device:
+        def __init__(self, m):
+            self.m = m
+
+        def memory_stats(self):
+            return {"peak_bytes_in_use": peaks[self.m], "bytes_in_use": 1}
+
+    for m in ("a", "b"):  # what each --gpus subprocess does
+        monkeypatch.setattr(rl_step_time.jax, "local_devices", lambda m=m: [Device(m)])
+        rl_step_time.run_method(tiny_cpu.get_config(), str(work), m, 4, record_memory=True)
+    rows = rl_step_time.report(str(work), ["a", "b"], 1, "b")
+    assert [r["peak_memory_gib"] for r in rows] == [3.0, 2.5]
 
 
 def test_bad_arguments(tmp_path):

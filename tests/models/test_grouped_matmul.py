@@ -74,13 +74,31 @@ def test_bad_shapes_and_default_tile():
         grouped_dot(jnp.zeros((4, 3)), jnp.zeros((2, 3, 2)), jnp.zeros((2,), jnp.int32), "dense")
 
 
+def test_auto_tiles_only_many_rows_per_group(monkeypatch):
+    from trace_jax.models import grouped_matmul as gm
+
+    assert gm.resolve("auto", 128 * 32, 32) is gm.GroupedMatmul.TILED  # training / prefill
+    assert gm.resolve("auto", 128 * 32 - 1, 32) is gm.GroupedMatmul.RAGGED_DOT  # decode
+    assert gm.resolve("tiled", 4, 32) is gm.GroupedMatmul.TILED  # explicit choices stand
+    assert gm.resolve("ragged_dot", 10**6, 2) is gm.GroupedMatmul.RAGGED_DOT
+    # grouped_dot follows the resolution: each path is taken where resolve says.
+    calls = []
+    monkeypatch.setattr(gm, "tiled_ragged_dot", lambda *a, **k: calls.append("tiled") or a[0])
+    monkeypatch.setattr(gm.jax.lax, "ragged_dot", lambda *a, **k: calls.append("ragged") or a[0])
+    sizes = jnp.array([3, 5], jnp.int32)
+    gm.grouped_dot(jnp.ones((256, 4)), jnp.ones((2, 4, 4)), sizes, "auto")
+    gm.grouped_dot(jnp.ones((255, 4)), jnp.ones((2, 4, 4)), sizes, "auto")
+    assert calls == ["tiled", "ragged"]
+
+
 def test_model_with_tiled_grouped_matmul_matches_ragged_dot():
     cfg = ModelConfig.tiny(dtype=jnp.float32, init_std=0.08)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 1, cfg.vocab_size, jnp.int32)
     with jax.default_matmul_precision("highest"):
         ref, _ = init_model(cfg, seed=3)(tokens)
-        tiled_cfg = ModelConfig.tiny(dtype=jnp.float32, init_std=0.08, grouped_matmul="tiled")
-        got, _ = init_model(tiled_cfg, seed=3)(tokens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
+        for impl in ("tiled", "auto"):
+            other = ModelConfig.tiny(dtype=jnp.float32, init_std=0.08, grouped_matmul=impl)
+            got, _ = init_model(other, seed=3)(tokens)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="grouped_matmul"):
         ModelConfig.tiny(grouped_matmul="dense")

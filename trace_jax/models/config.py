@@ -96,9 +96,10 @@ class ModelConfig:
       tie_embeddings: LM head shares the embedding matrix.
       init_std: standard deviation of the normal initializer of every matrix.
       dtype: compute dtype. param_dtype: storage dtype of parameters.
-      grouped_matmul: the routed experts' grouped matmul, "ragged_dot" (`jax.lax.ragged_dot`) or
+      grouped_matmul: the routed experts' grouped matmul, "ragged_dot" (`jax.lax.ragged_dot`),
         "tiled" (`grouped_matmul.tiled_ragged_dot`: no E-fold dense expansion where XLA has no
-        grouped kernel); same numbers either way.
+        grouped kernel) or "auto" (tiled for many rows per expert, ragged_dot for few:
+        `grouped_matmul.resolve`); same numbers either way.
     """
 
     vocab_size: int
@@ -123,9 +124,9 @@ class ModelConfig:
     grouped_matmul: str = "ragged_dot"
 
     def __post_init__(self):
-        if self.grouped_matmul not in ("ragged_dot", "tiled"):
+        if self.grouped_matmul not in ("ragged_dot", "tiled", "auto"):
             raise ValueError(
-                f"ModelConfig.grouped_matmul must be 'ragged_dot' or 'tiled', "
+                f"ModelConfig.grouped_matmul must be 'ragged_dot', 'tiled' or 'auto', "
                 f"got {self.grouped_matmul!r}"
             )
         positive = (
