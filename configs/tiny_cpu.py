@@ -11,7 +11,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    # grouped_matmul: "ragged_dot" or "tiled" (trace_jax/models/grouped_matmul.py).
+    # grouped_matmul: "ragged_dot", "tiled" or "auto" (trace_jax/models/grouped_matmul.py).
     c.model = ml_collections.ConfigDict(
         {"preset": "tiny", "init_std": 0.02, "grouped_matmul": "ragged_dot"}
     )
