@@ -24,8 +24,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import numpy as np
 import jax
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
