@@ -155,7 +155,8 @@ def run_trainer(cfg, workdir: str, *, timeout_s: float = 600.0) -> list[dict]:
             _wait_for(path, "rollout batch", timeout_s)
             roll, sampled_by = load_rollout(path)
             t1 = time.perf_counter()
-            metrics, t_read = rl_main.train_step(parts, store, roll, step)
+            metrics, blocked = rl_main.train_step(parts, store, roll, step)
+            t_read = blocked["read"]
             t2 = time.perf_counter()
             _publish_policy(policies, parts.model, (step + 1) * m)
             if parts.setup.capture:

@@ -5,7 +5,8 @@ r"""GRPO with FP4 rollouts and any of the paper's methods; resumable.
 
 Each step: sample `prompts_per_step` training problems x `group_size`, roll out with the method's
 rollout recipe (FP4 W/A/KV for the FP4 methods) while capturing guidance, pass the guidance through
-the tensorstore guidance store (write async -> read back, version-checked), score the responses,
+the tensorstore guidance store (write async -> read back, version-checked; the writes run behind
+the reward scoring), score the responses,
 and run the method's GRPO update. Writes to --workdir: `rl_metrics.jsonl` (reward, response
 length, train-rollout log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, time
 split into rollout / guidance I/O / training), `rl_eval.jsonl` (pass@1 per split), TensorBoard
@@ -15,11 +16,13 @@ orbax checkpoints `rl_checkpoints/` (resume: rerun the same command).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -232,15 +235,46 @@ def rollout_step(
     return dataclasses.replace(roll, guidance=own), full
 
 
-def write_guidance(store: GuidanceStore, parts: RunParts, roll: Rollout, step: int, version: int):
-    """Rollout -> store: one entry per mini-batch, stamped with the sampling policy's version."""
+def write_guidance(
+    store: GuidanceStore, parts: RunParts, roll: Rollout, step: int, version: int
+) -> list[concurrent.futures.Future]:
+    """Rollout -> store: starts writing one entry per mini-batch, stamped with the sampling
+    policy's version, and returns their futures at once. The trainer waits for each entry just
+    before reading it (`read_guidance`), so the writes run behind the reward scoring and the
+    earlier mini-batches' reads instead of in front of them."""
     if not parts.setup.capture:
-        return
-    for m, rows in enumerate(_mini_batches(roll.tokens.shape[0], parts.cfg.rl.mini_batches)):
+        return []
+    return [
         store.write_async(
             parts.run_id, step, roll.rows(rows).guidance, policy_version=version, micro_batch=m
         )
-    store.flush()
+        for m, rows in enumerate(_mini_batches(roll.tokens.shape[0], parts.cfg.rl.mini_batches))
+    ]
+
+
+def read_guidance(
+    store: GuidanceStore,
+    parts: RunParts,
+    step: int,
+    micro_batch: int,
+    write: concurrent.futures.Future | None = None,
+) -> tuple[dict[str, Guidance], dict[str, float]]:
+    """Store -> trainer: mini-batch `micro_batch`'s entry of `step`, read once `write` (this
+    process's pending write of it, if any) has committed, version-checked against the trainer's
+    version `step * mini_batches + micro_batch`. Returns (host guidance per site, seconds
+    {"write_wait": waiting for `write`, "read": reading}); raises the write's failure."""
+    w0 = time.perf_counter()
+    if write is not None:
+        write.result()
+    r0 = time.perf_counter()
+    guidance = store.read(
+        parts.run_id,
+        step,
+        micro_batch=micro_batch,
+        expected_version=step * parts.cfg.rl.mini_batches + micro_batch,
+        max_staleness=parts.grpo.max_staleness,
+    )
+    return guidance, {"write_wait": r0 - w0, "read": time.perf_counter() - r0}
 
 
 def train_step(
@@ -249,36 +283,39 @@ def train_step(
     roll: Rollout,
     step: int,
     reference: dict[str, Guidance] | None = None,
-) -> tuple[dict[str, float], float]:
+    writes: Sequence[concurrent.futures.Future] = (),
+) -> tuple[dict[str, float], dict[str, float]]:
     """Scores the batch and runs the method's GRPO update, one optimizer step per mini-batch.
 
     Policy versions count optimizer steps: the trainer holds version `step * M` at the start, and
     mini-batch m is trained by version `step * M + m`, which is what it asks the store for (the
     store accepts guidance up to `max_staleness` versions older). With `reference` (full rollout
     codes at every quantized site), the trainer's code mismatch per site is measured on the first
-    mini-batch before any update. Returns (metrics averaged over mini-batches with reward and
-    response length, seconds spent reading guidance).
+    mini-batch before any update. `writes`: this process's pending writes of the step's entries
+    (`write_guidance`, one per mini-batch), each waited for before its entry is read; without
+    them the entries must be committed already (another process wrote them). Returns (metrics
+    averaged over mini-batches with reward and response length, seconds the step was blocked on
+    the store: {"write_wait": waiting for `writes`, "read": reading entries}).
     """
     rl, grpo, setup = parts.cfg.rl, parts.grpo, parts.setup
     batch = step_batch(parts.cfg, step)
     responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
     rewards = tasks.batch_rewards(batch, responses)
     adv = grpo_advantages(jnp.asarray(rewards), rl.group_size)
-    mini_batches, t_read = [], 0.0
-    for m, rows in enumerate(_mini_batches(len(batch), rl.mini_batches)):
+    slices = _mini_batches(len(batch), rl.mini_batches)
+    if writes and len(writes) != len(slices):
+        raise ValueError(f"{len(writes)} pending guidance writes for {len(slices)} mini-batches")
+    mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}
+    for m, rows in enumerate(slices):
         part = roll.rows(rows)
         if setup.capture:  # store -> trainer, version-checked against its trainer's version
+            guidance, waited = read_guidance(store, parts, step, m, writes[m] if writes else None)
             r0 = time.perf_counter()
-            guidance = store.read(
-                parts.run_id,
-                step,
-                micro_batch=m,
-                expected_version=step * rl.mini_batches + m,
-                max_staleness=grpo.max_staleness,
-            )
             guidance = parts.on_mesh(guidance, rows.stop - rows.start)
             part = dataclasses.replace(part, guidance=guidance)
-            t_read += time.perf_counter() - r0
+            waited["read"] += time.perf_counter() - r0  # host -> device
+            for k in blocked:
+                blocked[k] += waited[k]
         # PPO's pi_old: the policy at the start of the step, before any mini-batch update, with
         # the guidance as read from the store.
         lp_old = old_logprobs(parts.model, part, setup=setup, grpo=grpo, temperature=rl.temperature)
@@ -314,7 +351,7 @@ def train_step(
         **metrics,
         **mismatch,
     }
-    return metrics, t_read
+    return metrics, blocked
 
 
 def _mismatch_metrics(stats) -> dict[str, float]:
@@ -378,21 +415,24 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
             t0 = time.perf_counter()
             roll, reference = rollout_step(parts, step, reference=mismatch_step(parts, step))
             t1 = time.perf_counter()
-            write_guidance(store, parts, roll, step, version)
+            writes = write_guidance(store, parts, roll, step, version)
             t2 = time.perf_counter()
-            metrics, t_read = train_step(parts, store, roll, step, reference)
+            metrics, blocked = train_step(parts, store, roll, step, reference, writes)
             t3 = time.perf_counter()
             if parts.setup.capture:
+                store.flush()  # every write was waited for: nothing left in flight
                 store.gc(parts.run_id, step)
             row = {
                 **metrics,
                 "policy_version": version,
                 "max_staleness_used": rl.mini_batches - 1,
                 "time_rollout_s": t1 - t0,
-                "time_guidance_io_s": t2 - t1 + t_read,
-                "time_guidance_write_s": t2 - t1,  # device -> host -> store, committed
-                "time_guidance_read_s": t_read,  # store -> host -> device, checked
-                "time_train_s": t3 - t2 - t_read,
+                # Time the step was blocked on the store (writes run behind the reward scoring
+                # and earlier mini-batches' reads; only the waits count).
+                "time_guidance_io_s": t2 - t1 + blocked["write_wait"] + blocked["read"],
+                "time_guidance_write_s": t2 - t1 + blocked["write_wait"],  # until committed
+                "time_guidance_read_s": blocked["read"],  # store -> host -> device, checked
+                "time_train_s": t3 - t2 - blocked["write_wait"] - blocked["read"],
             }
             history.append(log.write(step, row))
             ckpt.save(

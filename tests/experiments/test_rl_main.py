@@ -169,3 +169,37 @@ def test_run_on_a_data_expert_mesh_matches_one_device(tmp_path, uninterrupted):
     cfg.mesh.update(data=3, expert=1)
     with pytest.raises(ValueError, match=r"do not split over mesh\.data=3"):
         rl_main.prepare(cfg)
+
+
+def test_read_guidance_waits_for_the_pending_write_and_raises_its_failure():
+    import concurrent.futures
+    import threading
+    import types
+
+    from trace_jax.guidance import GuidanceError
+
+    cfg = _cfg()
+    cfg.rl.mini_batches = 2
+    parts = types.SimpleNamespace(cfg=cfg, run_id="r", grpo=rl_main.GRPOConfig(max_staleness=1))
+    x = jax.random.normal(jax.random.key(1), (2, 32))
+    site = {"0/k": fp4.make_guidance(fp4.quantize(x, "nvfp4"))}
+    release = threading.Event()
+    with GuidanceStore.in_memory() as store, concurrent.futures.ThreadPoolExecutor(1) as pool:
+
+        def late_write():  # the entry commits only after the reader has started waiting
+            release.wait(5)
+            return store.write("r", 3, site, policy_version=7, micro_batch=1)
+
+        pending = pool.submit(late_write)
+        threading.Timer(0.2, release.set).start()
+        got, waited = rl_main.read_guidance(store, parts, 3, 1, pending)
+        np.testing.assert_array_equal(
+            np.asarray(got["0/k"].payload), np.asarray(site["0/k"].payload)
+        )
+        assert waited["write_wait"] >= 0.15 and waited["read"] > 0
+        failed = concurrent.futures.Future()
+        failed.set_exception(GuidanceError("disk full"))
+        with pytest.raises(GuidanceError, match="disk full"):
+            rl_main.read_guidance(store, parts, 3, 1, failed)
+        with pytest.raises(GuidanceError):  # no pending write and nothing committed: not found
+            rl_main.read_guidance(store, parts, 4, 0)
