@@ -14,11 +14,19 @@ activations and KV quantized on the fly as in the rollout. Beside them: the BF16
 execution and, if given, TRACE's final policy with its own FP4 execution (RTN weights, as its
 rollout ran). pass@1 per held-out split and their mean; the summed squared weight error of each
 recipe. Writes <outdir>/<name>.{md,json}.
+
+Each seed's rows are also written to `<outdir>/<name>_seeds/seed<k>.json` as soon as they are
+computed, with the two policy paths they came from: a rerun with the same policies reuses them
+(an interrupted table resumes at the next seed). `--gpus=0,1` evaluates the seeds in parallel
+subprocesses, seed k on GPU `gpus[k % len(gpus)]`, then merges their files.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -130,6 +138,37 @@ def over_seeds(per_seed: Sequence[list[dict]]) -> list[dict]:
     return out
 
 
+def seed_rows_path(outdir: str, name: str, seed: int) -> str:
+    return os.path.join(outdir, f"{name}_seeds", f"seed{seed}.json")
+
+
+def seed_rows(
+    cfg, outdir: str, name: str, seed: int, bf16_policy: str, trace_policy: str, calibration: int
+) -> list[dict]:
+    """Seed `seed`'s rows: reused from its file when that was computed from the same policies,
+    else computed (`policy_rows`) and written there."""
+    path = seed_rows_path(outdir, name, seed)
+    source = {"bf16_policy": bf16_policy, "trace_policy": trace_policy}
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["source"] == source:
+            logging.info("seed %d: reusing %s", seed, path)
+            return saved["rows"]
+    rows = policy_rows(cfg, bf16_policy, trace_policy, calibration)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"source": source, "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)  # a seed's file is whole or absent
+    return rows
+
+
+def worker_command(seed: int, argv: Sequence[str]) -> list[str]:
+    """The subprocess that evaluates seed `seed` only (`--worker_seed`), with this run's flags."""
+    keep = [a for a in argv[1:] if not a.startswith(("--gpus", "--worker_seed"))]
+    return [sys.executable, "-m", "experiments.ptq_table", f"--worker_seed={seed}", *keep]
+
+
 def run(
     cfg,
     *,
@@ -138,9 +177,12 @@ def run(
     calibration_prompts: int = 64,
     outdir: str = results_io.RESULTS_DIR,
     name: str = "table7_ptq",
+    gpus: Sequence[str] = (),
+    worker_seed: int | None = None,
 ) -> list[dict]:
     """The table over seeds: `bf16_policies[k]` and `trace_policies[k]` (if given) are the
-    final policies of training seed k."""
+    final policies of training seed k. `gpus`: evaluate the seeds in parallel subprocesses;
+    `worker_seed`: (such a subprocess) evaluate that seed only, write its file, no table."""
     if not bf16_policies:
         raise ValueError("give at least one BF16-trained policy")
     if trace_policies and len(trace_policies) != len(bf16_policies):
@@ -149,9 +191,18 @@ def run(
             "give one TRACE policy per seed, or none"
         )
     traces = list(trace_policies) or [""] * len(bf16_policies)
+    pairs = list(zip(bf16_policies, traces, strict=True))
+    if worker_seed is not None:
+        return seed_rows(cfg, outdir, name, worker_seed, *pairs[worker_seed], calibration_prompts)
+    if gpus:
+        procs = []
+        for k in range(len(pairs)):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus[k % len(gpus)])}
+            procs.append((k, subprocess.Popen(worker_command(k, sys.argv), env=env)))
+        if failed := [k for k, p in procs if p.wait() != 0]:
+            raise RuntimeError(f"PTQ evaluation of seeds {failed} failed")
     per_seed = [
-        policy_rows(cfg, b, t, calibration_prompts)
-        for b, t in zip(bf16_policies, traces, strict=True)
+        seed_rows(cfg, outdir, name, k, b, t, calibration_prompts) for k, (b, t) in enumerate(pairs)
     ]
     rows = over_seeds(per_seed)
     columns = ["policy", "average", "average_std", *cfg.eval.splits, "weight_sq_error", "seeds"]
@@ -183,6 +234,8 @@ def main(argv):
         calibration_prompts=f.calibration_prompts,
         outdir=f.outdir,
         name=f.name,
+        gpus=f.gpus,
+        worker_seed=None if f.worker_seed < 0 else f.worker_seed,
     )
 
 
@@ -193,5 +246,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("calibration_prompts", 64, "training prompts for H-Scale's statistics")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
     flags.DEFINE_string("name", "table7_ptq", "result file stem")
+    flags.DEFINE_list("gpus", [], "evaluate the seeds in parallel, seed k on gpus[k % len(gpus)]")
+    flags.DEFINE_integer("worker_seed", -1, "internal: evaluate this seed only (a --gpus worker)")
     flags.mark_flags_as_required(["config", "bf16_policy"])
     app.run(main)

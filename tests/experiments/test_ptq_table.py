@@ -58,6 +58,33 @@ def test_ptq_table_rows(tmp_path):
         ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])
 
 
+def test_seed_rows_are_saved_reused_and_recomputed_for_other_policies(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_rows(cfg, bf16, trace, calibration):
+        calls.append((bf16, trace))
+        return [{"policy": "p", "average": float(len(bf16) + 10 * len(trace))}]
+
+    monkeypatch.setattr(ptq_table, "policy_rows", fake_rows)
+    cfg = tiny_cpu.get_config()
+    kw = dict(outdir=str(tmp_path), name="t7")
+    rows = ptq_table.run(cfg, bf16_policies=["a", "bb"], trace_policies=["t", "t"], **kw)
+    assert calls == [("a", "t"), ("bb", "t")]
+    assert rows[0]["average_seeds"] == [11.0, 12.0]
+    assert (tmp_path / "t7_seeds" / "seed1.json").exists()
+    # Interrupted after seed 0 of a changed table: seed 0 is reused, seed 1 (new policy) is not.
+    calls.clear()
+    rows = ptq_table.run(cfg, bf16_policies=["a", "ccc"], trace_policies=["t", "t"], **kw)
+    assert calls == [("ccc", "t")] and rows[0]["average_seeds"] == [11.0, 13.0]
+    # A worker evaluates its one seed and writes no table.
+    calls.clear()
+    (tmp_path / "t7.json").unlink()
+    ptq_table.run(cfg, bf16_policies=["x", "y"], worker_seed=1, **kw)
+    assert calls == [("y", "")] and not (tmp_path / "t7.json").exists()
+    cmd = ptq_table.worker_command(2, ["ptq", "--config=c.py", "--gpus=0,1", "--bf16_policy=a"])
+    assert cmd[-3:] == ["--worker_seed=2", "--config=c.py", "--bf16_policy=a"]
+
+
 def test_missing_policy_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no policy at"):
         ptq_table.load_policy(tiny_cpu.get_config(), str(tmp_path / "nowhere"))
