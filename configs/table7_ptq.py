@@ -1,9 +1,12 @@
 r"""Table 7 analog: post-training FP4 quantization of the BF16-trained policy vs TRACE.
 
-The policies come from the Table 1 runs (`configs/table1_nvfp4.py`), one per seed:
-python -m experiments.ptq_table --config=configs/table7_ptq.py \
-    --bf16_policy=workdir/table1/bf16/seed0,workdir/table1/bf16/seed1,workdir/table1/bf16/seed2 \
-    --trace_policy=workdir/table1/trace/seed0,workdir/table1/trace/seed1,workdir/table1/trace/seed2
+The policies are trained as this config's own table (Table 1's `bf16` and `trace` recipes, 3
+seeds; checkpoints stay where they were trained, so train and evaluate in one session):
+
+  python -m experiments.table_session --tables=configs/table7_ptq.py --root=$R
+  python -m experiments.ptq_table --config=configs/table7_ptq.py --gpus=0,1 \
+      --bf16_policy=$R/table7_policies/bf16/seed0,$R/table7_policies/bf16/seed1,$R/table7_policies/bf16/seed2 \
+      --trace_policy=$R/table7_policies/trace/seed0,$R/table7_policies/trace/seed1,$R/table7_policies/trace/seed2
 """
 
 import ml_collections
@@ -12,4 +15,13 @@ from configs import small_gpu
 
 
 def get_config() -> ml_collections.ConfigDict:
-    return small_gpu.get_config()
+    c = small_gpu.get_config()
+    c.table = ml_collections.ConfigDict(
+        {
+            "name": "table7_policies",
+            "title": "Table 7 policies: BF16 and TRACE GRPO runs to quantize / compare",
+            "seeds": (0, 1, 2),
+            "runs": (("bf16", {"rl.method": "bf16"}), ("trace", {"rl.method": "trace"})),
+        }
+    )
+    return c
