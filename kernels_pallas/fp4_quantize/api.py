@@ -46,13 +46,15 @@ def fp4_quantize(
     guidance: Guidance | None = None,
     backend: str = "auto",
     block_r: int | None = None,
+    num_warps: int = 4,
     interpret: bool | None = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
 
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
     The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
-    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows).
+    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows); `num_warps` per
+    program on the GPU.
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -91,7 +93,13 @@ def fp4_quantize(
             flat(gs, 1),
         )
     packed, bits, gsc, cbits = quantize_capture_pallas(
-        flat(x, n), fmt, guide=guide, guide_mode=mode, block_r=block_r, interpret=interpret
+        flat(x, n),
+        fmt,
+        guide=guide,
+        guide_mode=mode,
+        block_r=block_r,
+        interpret=interpret,
+        num_warps=num_warps,
     )
 
     def unflat(a):
