@@ -4,9 +4,10 @@ The policies are trained as this config's own table (Table 1's `bf16` and `trace
 seeds; checkpoints stay where they were trained, so train and evaluate in one session):
 
   python -m experiments.table_session --tables=configs/table7_ptq.py --root=$R
+  P=$R/table7_policies
   python -m experiments.ptq_table --config=configs/table7_ptq.py --gpus=0,1 \
-      --bf16_policy=$R/table7_policies/bf16/seed0,$R/table7_policies/bf16/seed1,$R/table7_policies/bf16/seed2 \
-      --trace_policy=$R/table7_policies/trace/seed0,$R/table7_policies/trace/seed1,$R/table7_policies/trace/seed2
+      --bf16_policy=$P/bf16/seed0,$P/bf16/seed1,$P/bf16/seed2 \
+      --trace_policy=$P/trace/seed0,$P/trace/seed1,$P/trace/seed2
 """
 
 import ml_collections

@@ -7,7 +7,8 @@ manipulation, so the same functions also run inside Pallas kernel bodies.
 
 All functions take magnitudes `a` already clipped to `[0, spec.max_value]` unless noted. Exactness:
 `a / step` (a product with `1 / step`) and `t * step` are exact because `step` is a power of two
-well inside float32's normal range, and `a - lo`, `hi - a` are exact because both operands are multiples of `ulp(a)`.
+well inside float32's normal range, and `a - lo`, `hi - a` are exact because both operands are
+multiples of `ulp(a)`.
 Inputs below float32's normal range (|x| < 2**-126) are flushed to zero by XLA on CPU and GPU.
 """
 
