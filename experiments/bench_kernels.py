@@ -75,11 +75,21 @@ def ceilings(quick: bool) -> dict[str, float]:
     return {"read_bw": n / t_read, "copy_bw": 2 * nbytes(x) / t_copy}
 
 
-# (block_r, num_warps) launches of the quantize kernel timed side by side; the first is the
-# default. Expected (kernels_findings.md, next steps): more warps per 4096-wide row spread the
-# per-block work (NVFP4 has 256 blocks of 16 per row) and may lift NVFP4 from 8% of copy
-# bandwidth toward MXFP4's 31%.
-QUANTIZE_LAUNCHES = ((None, 4), (1, 2), (1, 8), (2, 8), (4, 8))
+# (block_r, block_n, num_warps) launches of the quantize kernel timed side by side; the first is
+# the default (whole rows). Expected (kernels_findings.md item 10): more warps per 4096-wide row
+# spread the per-block work (NVFP4 has 256 blocks of 16 per row) and may lift NVFP4 from 8% of
+# copy bandwidth toward MXFP4's 31%; column tiles give 2-D tiles and 8-16x more programs (NVFP4
+# then reads each row once more for its global scale, inside the timed call).
+QUANTIZE_LAUNCHES = (
+    (None, None, 4),
+    (1, None, 2),
+    (1, None, 8),
+    (2, None, 8),
+    (4, None, 8),
+    (8, 512, 4),
+    (4, 1024, 4),
+    (16, 256, 4),
+)
 
 
 def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
@@ -88,7 +98,7 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
     rows, n = (256, 256) if quick else (65536, 4096)
     x = jax.random.normal(_key(2), (rows, n), jnp.bfloat16)
     t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
-    launches = QUANTIZE_LAUNCHES[:2] if quick else QUANTIZE_LAUNCHES
+    launches = (QUANTIZE_LAUNCHES[0], (2, 64, 4)) if quick else QUANTIZE_LAUNCHES
     out = []
     for fmt in (fp4.NVFP4, fp4.MXFP4):
         ref = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="xla"))(x)
@@ -106,13 +116,16 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
             }
 
         sweep = []
-        for block_r, warps in launches:
-            kw = dict(backend="pallas", block_r=block_r, num_warps=warps)
+        for block_r, block_n, warps in launches:
+            if block_n is not None and block_n >= n:
+                continue
+            kw = dict(backend="pallas", block_r=block_r, block_n=block_n, num_warps=warps)
             got = jax.jit(lambda a, f=fmt, kw=kw: fp4_quantize(a, f, **kw))(x)
             for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
                 np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
             t = _time(quick, lambda a, f=fmt, kw=kw: fp4_quantize(a, f, **kw), x)
-            sweep.append(row(f"pallas b{block_r or 'default'} w{warps}", t))
+            tile = f"b{block_r or 'default'}" + (f"x{block_n}" if block_n else "")
+            sweep.append(row(f"pallas {tile} w{warps}", t))
         best = min(sweep, key=lambda r: r["ms"])
         out.append({**best, "backend": "pallas", "launch": best["backend"]})
         out.append(row("xla", _time(quick, lambda a, f=fmt: fp4_quantize(a, f, backend="xla"), x)))

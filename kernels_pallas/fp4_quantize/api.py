@@ -10,7 +10,7 @@ from kernels_pallas.fp4_quantize.kernel import quantize_capture_pallas
 from kernels_pallas.fp4_quantize.reference import QuantizedCapture, quantize_capture_reference
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, Guidance, GuidanceMode
-from trace_jax.fp4.scales import from_bits, to_bits
+from trace_jax.fp4.scales import from_bits, global_scale, to_bits
 
 _last_backend: list[str] = ["none"]
 
@@ -46,6 +46,7 @@ def fp4_quantize(
     guidance: Guidance | None = None,
     backend: str = "auto",
     block_r: int | None = None,
+    block_n: int | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
 ) -> QuantizedCapture:
@@ -53,8 +54,9 @@ def fp4_quantize(
 
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
     The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
-    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows); `num_warps` per
-    program on the GPU.
+    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows); `block_n` columns
+    per program (default: whole rows; below N, a power of two and a multiple of the block and of
+    8, and the NVFP4 global scale is computed by XLA first); `num_warps` per program on the GPU.
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -66,6 +68,14 @@ def fp4_quantize(
         return quantize_capture_reference(x, fmt, guidance=guidance)
     _last_backend[0] = "pallas"
 
+    if block_n is not None and block_n < n:
+        if not (_is_pow2(block_n) and n % block_n == 0 and block_n % max(fmt.block_size, 8) == 0):
+            raise ValueError(
+                f"block_n={block_n} must be a power of two dividing N={n} and a multiple of "
+                f"{max(fmt.block_size, 8)}"
+            )
+    else:
+        block_n = None
     if block_r is None:
         # A program holds its whole tile in registers; 65536-element tiles (16 rows of 4096) took
         # minutes to compile on the H200 and never finished a run, so tiles stay small.
@@ -92,7 +102,10 @@ def fp4_quantize(
             flat(to_bits(guidance.scales), n // fmt.block_size),
             flat(gs, 1),
         )
-    packed, bits, gsc, cbits = quantize_capture_pallas(
+    s_g = None
+    if block_n is not None and fmt.has_global_scale:  # the kernel sees only part of a row
+        s_g = global_scale(flat(x, n).astype(jnp.float32), fmt, (1,))
+    packed, bits, cbits, *gsc = quantize_capture_pallas(
         flat(x, n),
         fmt,
         guide=guide,
@@ -100,7 +113,11 @@ def fp4_quantize(
         block_r=block_r,
         interpret=interpret,
         num_warps=num_warps,
+        block_n=block_n,
+        s_g=s_g,
     )
+    # With column tiles the global scale is the one the kernel was given (guided: the rollout's).
+    gsc = gsc[0] if gsc else (guide[2] if guide is not None else s_g)
 
     def unflat(a):
         return a[:rows].reshape(*lead, a.shape[-1])

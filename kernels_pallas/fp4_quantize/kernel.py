@@ -6,6 +6,10 @@ programs) and runs `trace_jax.fp4.quantize_core`, the quantizer itself, on them:
 quantizer cannot drift apart. Bytes moved per element: read 2 (bf16) or 4 (f32); write 1/2 (codes)
 + 1/8 (compact bits) + 1/block (scale) (+ 4/N global): the pass is bandwidth-bound.
 
+With `block_n < N` each program owns a `[block_r, block_n]` tile instead (a 2-D grid over rows and
+column tiles): more, smaller programs, at the price of the NVFP4 global scale being computed
+beforehand (one more read of the row, by XLA) and passed in.
+
 Triton lowering needs power-of-two tile shapes, so N must be a power of two (the API falls back to
 the XLA reference otherwise). A TPU (Mosaic) lowering would additionally need the row tile to be a
 multiple of 8 and N a multiple of 128 lanes, and the nibble/bit packing expressed as lane shifts
@@ -48,13 +52,19 @@ def _unpack(packed: jax.Array, per_byte: int) -> jax.Array:
     return v.reshape(r, m * per_byte)
 
 
-def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None):
-    if guide_mode is None:
-        x_ref, codes_ref, bits_ref, gs_ref, cbits_ref = refs
-    else:
-        x_ref, g_payload_ref, g_bits_ref, g_gs_ref, codes_ref, bits_ref, gs_ref, cbits_ref = refs
+def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, s_g_given: bool):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    sg_ref = refs.pop(0) if s_g_given else None
+    if guide_mode is not None:
+        g_payload_ref, g_bits_ref, g_gs_ref = refs[:3]
+        refs = refs[3:]
+    codes_ref, bits_ref, cbits_ref = refs[:3]
+    gs_ref = refs[3] if len(refs) > 3 else None
     x = x_ref[...].astype(jnp.float32)
-    s_g = global_scale(x, fmt, (1,)) if fmt.has_global_scale else None
+    s_g = None
+    if fmt.has_global_scale:
+        s_g = sg_ref[...] if s_g_given else global_scale(x, fmt, (1,))
     kwargs = {}
     if guide_mode is not None:
         payload = g_payload_ref[...]
@@ -68,7 +78,8 @@ def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None):
     codes, bits, s_g = quantize_core(x, fmt, s_g=s_g, rounding=rounding, **kwargs)
     codes_ref[...] = _pack(codes, 2)
     bits_ref[...] = bits
-    gs_ref[...] = s_g if s_g is not None else jnp.ones(gs_ref.shape, jnp.float32)
+    if gs_ref is not None:
+        gs_ref[...] = s_g if s_g is not None else jnp.ones(gs_ref.shape, jnp.float32)
     cbits_ref[...] = _pack(codes & 1, 8)
 
 
@@ -81,36 +92,55 @@ def quantize_capture_pallas(
     block_r: int,
     interpret: bool,
     num_warps: int = 4,
+    block_n: int | None = None,
+    s_g: jax.Array | None = None,
 ):
     """Runs the kernel on `x [R, N]` (R a multiple of `block_r`).
 
     guide: (payload uint8 [R, N/2 or N/8], scale bits uint8 [R, NB], global float32 [R, 1]).
-    Returns (packed codes [R, N/2], scale bits [R, NB], global [R, 1], compact bits [R, N/8]).
+    block_n: columns per program (a power of two dividing N, a multiple of the block and of 8;
+      None: whole rows). Below N, NVFP4 needs the rows' own global scales `s_g` float32 [R, 1].
+    Returns (packed codes [R, N/2], scale bits [R, NB], compact bits [R, N/8], global [R, 1]);
+    with column tiles the global scale is not an output (it is `s_g`, or the guidance's).
     """
     r, n = x.shape
-    nb = n // fmt.block_size
-    grid = (r // block_r,)
+    block_n = block_n or n
+    tiled = block_n < n
+    if tiled and fmt.has_global_scale and s_g is None:
+        raise ValueError("column tiles of an NVFP4 row need the row's global scale `s_g`")
+    bs = fmt.block_size
+    grid = (r // block_r, n // block_n)
 
-    def rows(width):
-        return pl.BlockSpec((block_r, width), lambda i: (i, 0))
+    def tile(width_per_block_n):  # a [block_r, block_n * ratio] tile of an [R, N * ratio] array
+        return pl.BlockSpec((block_r, width_per_block_n), lambda i, j: (i, j))
 
-    in_specs = [rows(n)]
+    def row_vec():
+        return pl.BlockSpec((block_r, 1), lambda i, j: (i, 0))
+
+    in_specs = [tile(block_n)]
     args = [x]
+    given = tiled and fmt.has_global_scale
+    if given:
+        in_specs.append(row_vec())
+        args.append(s_g)
     if guide is not None:
         payload, g_bits, g_gs = guide
-        in_specs += [rows(payload.shape[1]), rows(nb), rows(1)]
+        in_specs += [tile(block_n * payload.shape[1] // n), tile(block_n // bs), row_vec()]
         args += [payload, g_bits, g_gs]
-    out_shape = (
+    out_shape = [
         jax.ShapeDtypeStruct((r, n // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((r, nb), jnp.uint8),
-        jax.ShapeDtypeStruct((r, 1), jnp.float32),
+        jax.ShapeDtypeStruct((r, n // bs), jnp.uint8),
         jax.ShapeDtypeStruct((r, n // 8), jnp.uint8),
-    )
+    ]
+    out_specs = [tile(block_n // 2), tile(block_n // bs), tile(block_n // 8)]
+    if not tiled:
+        out_shape.append(jax.ShapeDtypeStruct((r, 1), jnp.float32))
+        out_specs.append(row_vec())
     return pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode),
+        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given),
         grid=grid,
         in_specs=in_specs,
-        out_specs=[rows(n // 2), rows(nb), rows(1), rows(n // 8)],
+        out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         name="fp4_quantize",

@@ -78,3 +78,20 @@ def test_bad_inputs():
         fp4_quantize(jnp.ones((2, 64)), "nvfp4", guidance=g)
     with pytest.raises(ValueError, match="not a valid Backend"):
         fp4_quantize(jnp.ones((2, 64)), "nvfp4", backend="cuda")
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", [None, "compact", "full"])
+def test_column_tiles_match_reference(fmt, mode):
+    # block_n = 64 splits each 256-wide row over 4 programs: an NVFP4 row's global scale must
+    # come from the whole row, not the tile (the rows' magnitudes differ by orders: _x).
+    x = _x((6, 256), seed=11)
+    g = None
+    if mode is not None:
+        noise = jax.random.normal(jax.random.key(4), x.shape)
+        g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, block_n=64)
+    assert last_backend() == "pallas"
+    _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    with pytest.raises(ValueError, match="block_n"):
+        fp4_quantize(x, fmt, backend="pallas", block_n=48)
