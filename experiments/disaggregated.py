@@ -123,6 +123,7 @@ def run_rollout(cfg, workdir: str, *, lag: int = 0, timeout_s: float = 600.0) ->
             roll, _ = rl_main.rollout_step(parts, step)  # mismatch stats: experiments.main only
             t2 = time.perf_counter()
             rl_main.write_guidance(store, parts, roll, step, version)
+            store.flush()  # the batch is published only once its guidance is committed
             save_rollout(os.path.join(paths["rollouts"], f"{step}.npz"), roll, version)
             t3 = time.perf_counter()
             rows.append(
