@@ -79,6 +79,17 @@ def save_rollout(path: str, roll: Rollout, version: int) -> None:
     os.replace(tmp, path)
 
 
+def publish_rollout(
+    store: GuidanceStore, parts, roll: Rollout, step: int, version: int, rollouts_dir: str
+) -> None:
+    """Rollout -> trainer: the step's guidance into the store, then the batch file
+    `<rollouts_dir>/<step>.npz`; the trainer waits for that file, so it is written only once
+    every guidance entry of the step is committed."""
+    rl_main.write_guidance(store, parts, roll, step, version)
+    store.flush()
+    save_rollout(os.path.join(rollouts_dir, f"{step}.npz"), roll, version)
+
+
 def load_rollout(path: str) -> tuple[Rollout, int]:
     with np.load(path) as f:
         roll = Rollout(
@@ -122,9 +133,7 @@ def run_rollout(cfg, workdir: str, *, lag: int = 0, timeout_s: float = 600.0) ->
             t1 = time.perf_counter()
             roll, _ = rl_main.rollout_step(parts, step)  # mismatch stats: experiments.main only
             t2 = time.perf_counter()
-            rl_main.write_guidance(store, parts, roll, step, version)
-            store.flush()  # the batch is published only once its guidance is committed
-            save_rollout(os.path.join(paths["rollouts"], f"{step}.npz"), roll, version)
+            publish_rollout(store, parts, roll, step, version, paths["rollouts"])
             t3 = time.perf_counter()
             rows.append(
                 log.write(

@@ -91,3 +91,44 @@ def test_staleness_bound_and_rollout_files(tmp_path):
     assert version == 7 and back.guidance == {}
     for k in ("tokens", "lengths", "logprobs", "response_mask", "expert_choices"):
         np.testing.assert_array_equal(np.asarray(getattr(back, k)), np.asarray(getattr(roll, k)))
+
+
+def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeypatch):
+    import time
+    import types
+
+    import jax
+
+    from trace_jax import fp4
+    from trace_jax.guidance import GuidanceStore
+
+    cfg = _cfg(1)
+    cfg.rl.mini_batches = 2
+    parts = types.SimpleNamespace(
+        cfg=cfg, run_id="r", setup=types.SimpleNamespace(capture=("0/k",))
+    )
+    site = {
+        "0/k": fp4.make_guidance(
+            fp4.quantize(jax.random.normal(jax.random.key(0), (2, 32)), "nvfp4")
+        )
+    }
+    roll = types.SimpleNamespace(
+        tokens=np.zeros((4, 3)), rows=lambda rows: types.SimpleNamespace(guidance=site)
+    )
+    store = GuidanceStore.in_memory()
+    slow = store._write
+
+    def slow_write(*a):  # commits well after write_async returned
+        time.sleep(0.3)
+        return slow(*a)
+
+    monkeypatch.setattr(store, "_write", slow_write)
+    published = []
+    monkeypatch.setattr(
+        disaggregated,
+        "save_rollout",
+        lambda path, r, version: published.append((os.path.basename(path), store.entries("r"))),
+    )
+    with store:
+        disaggregated.publish_rollout(store, parts, roll, 5, 10, str(tmp_path))
+    assert published == [("5.npz", [(5, 0), (5, 1)])]  # both entries committed before the batch
