@@ -154,6 +154,14 @@ def link_sft(root: str, tables: Sequence[str]) -> None:
 Launch = Callable[[Job, int | None, str], subprocess.Popen]
 
 
+def next_log_path(log_dir: str, job_name: str) -> str:
+    """`<log_dir>/<job>.<n>.log` with n the number of that job's logs already there: attempts
+    are numbered on across the invocations that share a root, so no log is overwritten."""
+    stem = job_name.replace("/", "_")
+    n = sum(1 for f in os.listdir(log_dir) if f.startswith(stem + ".") and f.endswith(".log"))
+    return os.path.join(log_dir, f"{stem}.{n}.log")
+
+
 def run_queue(
     jobs: Sequence[Job],
     *,
@@ -191,9 +199,9 @@ def run_queue(
                 if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
                     break
                 job, attempt = queue.pop(0)
-                log = os.path.join(log_dir, f"{job.name.replace('/', '_')}.{attempt}.log")
+                log = next_log_path(log_dir, job.name)
                 running[slot] = (job, attempt, launch(job, gpu, log), time.perf_counter())
-                event(start=job.name, gpu=gpu, attempt=attempt)
+                event(start=job.name, gpu=gpu, attempt=attempt, log=os.path.basename(log))
                 logging.info("start %s on GPU %s (attempt %d)", job.name, gpu, attempt)
             if deadline_s is not None and time.perf_counter() - t0 > deadline_s and queue:
                 for job, _ in queue:

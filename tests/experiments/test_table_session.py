@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -60,6 +61,8 @@ def _fake_launcher(fail_first: set[str], log: list):
         attempt = int(log_path.rsplit(".", 2)[-2])
         code = 1 if job.name in fail_first and attempt == 0 else 0
         log.append((job.name, gpu, attempt))
+        with open(log_path, "w") as f:
+            f.write(f"{job.name} attempt {attempt}\n")
         script = f"import time, sys; time.sleep(0.3); sys.exit({code})"
         return subprocess.Popen([sys.executable, "-c", script])
 
@@ -89,6 +92,20 @@ def test_queue_fills_slots_retries_failures_once_and_logs(tmp_path):
         peak = max(peak, live)
     assert peak == 4 and {g for _, g, _ in started} == {0, 1}
     assert sum("end" in e and e["rc"] == 1 for e in events) == 1
+
+
+def test_a_second_invocation_keeps_the_first_ones_logs(tmp_path):
+    job = table_session.Job("c.py", "t", "run0", 0, 0, 1)
+    kw = dict(gpus=[None], per_gpu=1, root=str(tmp_path), deadline_s=None, poll_s=0.05)
+    for _ in range(2):  # the same job in two sessions on one root (e.g. after a deadline)
+        table_session.run_queue([job], launch=_fake_launcher({job.name}, []), **kw)
+    logs = sorted(os.listdir(tmp_path / "logs"))
+    # Session 1: attempt 0 failed, its retry passed; session 2's attempt is log 2.
+    assert logs == [f"t_run0_seed0.{n}.log" for n in range(3)]
+    texts = [(tmp_path / "logs" / f).read_text() for f in logs]
+    assert texts == [f"t/run0/seed0 attempt {a}\n" for a in (0, 1, 2)]
+    events = [json.loads(x) for x in (tmp_path / "session.jsonl").read_text().splitlines()]
+    assert [e["log"] for e in events if "start" in e] == logs
 
 
 def test_no_job_starts_after_the_deadline(tmp_path):
