@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
 
 import jax
@@ -39,6 +37,7 @@ from ml_collections import config_flags
 
 from experiments import main as rl_main
 from experiments import results_io, sft
+from experiments.gpu_workers import run_workers
 from trace_jax import tasks
 from trace_jax.models import init_model
 from trace_jax.quant import QuantConfig, SiteMode, ptq
@@ -163,12 +162,6 @@ def seed_rows(
     return rows
 
 
-def worker_command(seed: int, argv: Sequence[str]) -> list[str]:
-    """The subprocess that evaluates seed `seed` only (`--worker_seed`), with this run's flags."""
-    keep = [a for a in argv[1:] if not a.startswith(("--gpus", "--worker_seed"))]
-    return [sys.executable, "-m", "experiments.ptq_table", f"--worker_seed={seed}", *keep]
-
-
 def run(
     cfg,
     *,
@@ -195,11 +188,7 @@ def run(
     if worker_seed is not None:
         return seed_rows(cfg, outdir, name, worker_seed, *pairs[worker_seed], calibration_prompts)
     if gpus:
-        procs = []
-        for k in range(len(pairs)):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus[k % len(gpus)])}
-            procs.append((k, subprocess.Popen(worker_command(k, sys.argv), env=env)))
-        if failed := [k for k, p in procs if p.wait() != 0]:
+        if failed := run_workers("experiments.ptq_table", "worker_seed", range(len(pairs)), gpus):
             raise RuntimeError(f"PTQ evaluation of seeds {failed} failed")
     per_seed = [
         seed_rows(cfg, outdir, name, k, b, t, calibration_prompts) for k, (b, t) in enumerate(pairs)

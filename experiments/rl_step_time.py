@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
 
 import jax
@@ -31,6 +29,7 @@ from ml_collections import config_flags
 
 from experiments import main as rl_main
 from experiments import results_io
+from experiments.gpu_workers import run_workers
 from experiments.metrics_log import read_rows
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
@@ -109,13 +108,7 @@ def run(
     if gpus:
         if len(gpus) != len(methods):
             raise ValueError(f"{len(methods)} methods need {len(methods)} --gpus, got {gpus}")
-        procs = []
-        for m, gpu in zip(methods, gpus, strict=True):
-            cmd = [sys.executable, "-m", "experiments.rl_step_time", f"--worker_method={m}"]
-            cmd += [a for a in sys.argv[1:] if not a.startswith(("--gpus", "--worker_method"))]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-            procs.append((m, subprocess.Popen(cmd, env=env)))
-        failed = [m for m, p in procs if p.wait() != 0]
+        failed = run_workers("experiments.rl_step_time", "worker_method", methods, gpus)
         if failed:
             raise RuntimeError(f"timing runs failed: {failed}")
     else:

@@ -1,0 +1,41 @@
+"""Worker subprocesses: the command each runs, its GPU, and failures reported by item."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from experiments import gpu_workers
+
+
+def test_worker_command_keeps_flags_but_gpus_and_old_worker_flag():
+    argv = ["prog", "--config=c.py", "--gpus=0,1", "--worker_seed=5", "--bf16_policy=a"]
+    cmd = gpu_workers.worker_command("experiments.ptq_table", "worker_seed", 2, argv)
+    assert cmd == [
+        sys.executable, "-m", "experiments.ptq_table", "--worker_seed=2", "--config=c.py",
+        "--bf16_policy=a",
+    ]  # fmt: skip
+
+
+def test_run_workers_pins_gpus_round_robin_and_reports_failures(monkeypatch):
+    launched = []
+
+    class Proc:
+        def __init__(self, cmd, env):
+            launched.append((cmd[3], env["CUDA_VISIBLE_DEVICES"]))
+            self.code = 1 if cmd[3] == "--worker_seed=1" else 0
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(gpu_workers.subprocess, "Popen", Proc)
+    failed = gpu_workers.run_workers("m", "worker_seed", range(3), ["0", "1"], ["prog"])
+    assert launched == [
+        ("--worker_seed=0", "0"),
+        ("--worker_seed=1", "1"),
+        ("--worker_seed=2", "0"),
+    ]
+    assert failed == [1]
+    with pytest.raises(ValueError, match="GPU"):
+        gpu_workers.run_workers("m", "worker_seed", range(3), [], ["prog"])
