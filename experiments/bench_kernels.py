@@ -93,8 +93,9 @@ QUANTIZE_LAUNCHES = (
 
 
 def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
-    """Quantize + capture, Pallas (each launch of `QUANTIZE_LAUNCHES`; `backend` "pallas" is the
-    fastest, "pallas b<block_r> w<warps>" each one) and XLA, vs a copy of the same input."""
+    """Quantize + capture, Pallas (each launch of `QUANTIZE_LAUNCHES`, `launch`
+    "b<block_r>[x<block_n>] w<warps>"; `fastest` marks the one the summary reports) and XLA, vs a
+    copy of the same input."""
     rows, n = (256, 256) if quick else (65536, 4096)
     x = jax.random.normal(_key(2), (rows, n), jnp.bfloat16)
     t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
@@ -104,11 +105,12 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
         ref = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="xla"))(x)
         moved = nbytes(x) + nbytes(ref)
 
-        def row(backend, t, f=fmt, moved=moved):
+        def row(backend, t, launch="n/a", f=fmt, moved=moved):
             return {
                 "op": "quantize+capture",
                 "format": f.name,
                 "backend": backend,
+                "launch": launch,
                 "shape": f"{rows}x{n} bf16",
                 "ms": 1e3 * t,
                 "copy_ms": 1e3 * t_copy,
@@ -125,12 +127,11 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
                 np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
             t = _time(quick, lambda a, f=fmt, kw=kw: fp4_quantize(a, f, **kw), x)
             tile = f"b{block_r or 'default'}" + (f"x{block_n}" if block_n else "")
-            sweep.append(row(f"pallas {tile} w{warps}", t))
+            sweep.append(row("pallas", t, f"{tile} w{warps}"))
         best = min(sweep, key=lambda r: r["ms"])
-        out.append({**best, "backend": "pallas", "launch": best["backend"]})
+        out += [{**r, "fastest": r is best} for r in sweep]
         out.append(row("xla", _time(quick, lambda a, f=fmt: fp4_quantize(a, f, backend="xla"), x)))
-        out += sweep
-        logging.info("%s", out[-len(sweep) - 2 :])
+        logging.info("%s", out[-len(sweep) - 1 :])
     return out
 
 
@@ -459,7 +460,9 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
         "read_bw_GBps": ceil["read_bw"] / 1e9,
         "copy_bw_GBps": ceil["copy_bw"] / 1e9,
         "quantize_bandwidth_fraction": {
-            r["format"]: r["bandwidth_fraction_of_copy"] for r in q_rows if r["backend"] == "pallas"
+            r["format"]: r["bandwidth_fraction_of_copy"]
+            for r in q_rows
+            if r["backend"] == "pallas" and r.get("fastest", True)  # earlier JSONs: one row
         },
         "decode_attention_bandwidth_fraction": {
             f"{r['shape']}@{r['context']}": r["fp4_bandwidth_fraction"] for r in a_rows

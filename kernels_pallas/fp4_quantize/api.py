@@ -37,6 +37,12 @@ def _check(x: jax.Array, fmt: BlockFormat, guidance: Guidance | None) -> None:
 
 
 TILE_ELEMENTS = 2048
+# Rows wider than this are cut into column tiles of this width and COLUMN_TILE_ROWS rows by
+# default: on the H200 every 4096-element column tile (16 x 256, 8 x 512, 4 x 1024) ran 1.3x
+# (MXFP4) to 3.5x (NVFP4) faster than one whole 4096-wide row per program
+# (`experiments/results/kernels_quantize.md`, kernels_findings.md item 10).
+COLUMN_TILE = 1024
+COLUMN_TILE_ROWS = 4
 
 
 def fp4_quantize(
@@ -54,9 +60,11 @@ def fp4_quantize(
 
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
     The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
-    program (default: about TILE_ELEMENTS elements per tile, at most 16 rows); `block_n` columns
-    per program (default: whole rows; below N, a power of two and a multiple of the block and of
-    8, and the NVFP4 global scale is computed by XLA first); `num_warps` per program on the GPU.
+    program and `block_n` columns per program (a power of two dividing N, a multiple of the block
+    and of 8; below N the NVFP4 global scale is computed by XLA first). Default: rows wider than
+    COLUMN_TILE in COLUMN_TILE_ROWS x COLUMN_TILE tiles (the fastest measured launch), narrower
+    rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `num_warps` per
+    program on the GPU.
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -68,6 +76,8 @@ def fp4_quantize(
         return quantize_capture_reference(x, fmt, guidance=guidance)
     _last_backend[0] = "pallas"
 
+    if block_n is None and block_r is None and n > COLUMN_TILE:
+        block_n, block_r = COLUMN_TILE, COLUMN_TILE_ROWS
     if block_n is not None and block_n < n:
         if not (_is_pow2(block_n) and n % block_n == 0 and block_n % max(fmt.block_size, 8) == 0):
             raise ValueError(

@@ -20,3 +20,9 @@ def test_bench_kernels_quick(tmp_path):
     ):
         assert key in data["summary"] and key in summary
     assert set(summary["quantize_bandwidth_fraction"]) == {"nvfp4", "mxfp4"}
+    # Each launch is its own row; the summary reports the fastest Pallas launch per format.
+    for fmt, frac in summary["quantize_bandwidth_fraction"].items():
+        quantize = [r for r in data["rows"] if r["section"] == "quantize"]
+        pallas = [r for r in quantize if r["format"] == fmt and r["backend"] == "pallas"]
+        assert len(pallas) >= 2 and sum(r["fastest"] for r in pallas) == 1
+        assert frac == max(r["bandwidth_fraction_of_copy"] for r in pallas)

@@ -95,3 +95,27 @@ def test_column_tiles_match_reference(fmt, mode):
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
     with pytest.raises(ValueError, match="block_n"):
         fp4_quantize(x, fmt, backend="pallas", block_n=48)
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+def test_default_launch_tiles_wide_rows(fmt, monkeypatch):
+    # Rows wider than COLUMN_TILE default to column tiles (the fastest launch measured on the
+    # H200); narrower rows stay whole. COLUMN_TILE is lowered so interpret mode stays quick.
+    from kernels_pallas.fp4_quantize import api
+
+    launches = []
+    kernel = api.quantize_capture_pallas
+
+    def spy(*args, **kwargs):
+        launches.append((kwargs["block_r"], kwargs["block_n"]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(api, "quantize_capture_pallas", spy)
+    monkeypatch.setattr(api, "COLUMN_TILE", 64)
+    x = _x((5, 256), seed=12)
+    _assert_same(fp4_quantize(x, fmt, backend="pallas"), quantize_capture_reference(x, fmt))
+    narrow = x[:, :64]
+    _assert_same(
+        fp4_quantize(narrow, fmt, backend="pallas"), quantize_capture_reference(narrow, fmt)
+    )
+    assert launches == [(api.COLUMN_TILE_ROWS, 64), (min(16, api.TILE_ELEMENTS // 64), None)]
