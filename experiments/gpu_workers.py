@@ -23,13 +23,18 @@ def run_workers(
     module: str, worker_flag: str, items: Sequence, gpus: Sequence, argv: Sequence[str] = ()
 ) -> list:
     """Runs one worker per item, item k on GPU `gpus[k % len(gpus)]`, all at once; waits for
-    them and returns the items whose worker failed."""
+    them and returns the items whose worker failed.
+
+    Workers allocate GPU memory on demand (unless the caller's environment says otherwise): with
+    JAX's default preallocation of 75% of the GPU a second worker on the same GPU, or a job
+    already running there, fails out of memory."""
     if not gpus:
         raise ValueError("run_workers needs at least one GPU")
     argv = argv or sys.argv
     procs = []
     for k, item in enumerate(items):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpus[k % len(gpus)])}
+        env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[k % len(gpus)])
         procs.append(
             (item, subprocess.Popen(worker_command(module, worker_flag, item, argv), env=env))
         )

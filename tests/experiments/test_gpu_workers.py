@@ -24,12 +24,14 @@ def test_run_workers_pins_gpus_round_robin_and_reports_failures(monkeypatch):
     class Proc:
         def __init__(self, cmd, env):
             launched.append((cmd[3], env["CUDA_VISIBLE_DEVICES"]))
+            assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # workers share GPUs
             self.code = 1 if cmd[3] == "--worker_seed=1" else 0
 
         def wait(self):
             return self.code
 
     monkeypatch.setattr(gpu_workers.subprocess, "Popen", Proc)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     failed = gpu_workers.run_workers("m", "worker_seed", range(3), ["0", "1"], ["prog"])
     assert launched == [
         ("--worker_seed=0", "0"),
