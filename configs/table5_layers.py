@@ -1,6 +1,9 @@
 r"""Table 5 analog: TRACE with guidance on the last half / quarter / eighth / all layers, `small`.
 
 python -m experiments.paper_table --config=configs/table5_layers.py --workdir=workdir/table5
+
+`trace half` is TRACE's default recipe: run in one `experiments.table_session` with
+`configs/table7_ptq.py`, it is trained once and shared with Table 7's `trace` runs.
 """
 
 import ml_collections

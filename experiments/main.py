@@ -126,6 +126,11 @@ def run_mesh(cfg) -> jax.sharding.Mesh | None:
     return make_mesh(data, expert)
 
 
+def guided_layers(rl, n_layers: int) -> tuple[int, ...] | None:
+    """The layers `rl.guided_layers` names ("all", "half", "0,3", ...); None: the method's own."""
+    return layers_from_spec(rl.guided_layers, n_layers) if rl.guided_layers else None
+
+
 def prepare(cfg) -> RunParts:
     """The run's policy (initialized, or loaded from `rl.init_from`) and settings."""
     rl = cfg.rl
@@ -133,8 +138,9 @@ def prepare(cfg) -> RunParts:
     model = init_model(mcfg, seed=cfg.seed)
     if rl.init_from:
         sft.load_params(model, rl.init_from)
-    layers = layers_from_spec(rl.guided_layers, mcfg.n_layers) if rl.guided_layers else None
-    setup = get_method(rl.method).setup(rl.format, mcfg.n_layers, guided_layers=layers)
+    setup = get_method(rl.method).setup(
+        rl.format, mcfg.n_layers, guided_layers=guided_layers(rl, mcfg.n_layers)
+    )
     grpo = GRPOConfig(
         group_size=rl.group_size,
         learning_rate=rl.learning_rate,

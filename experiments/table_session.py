@@ -18,10 +18,17 @@ r"""One GPU session of paper tables: their (run, seed) pairs as a queue of jobs 
    job logs under `logs/`); then `paper_table --aggregate_only` (`--partial` while seeds are
    missing) writes each table from its logs.
 
+A (table, run, seed) that trains exactly what an earlier one of the session trains
+(`run_identity`: the same config once the method's guided layers are resolved, e.g. Table 7's
+`trace` and Table 5's `trace half`) is trained once; its logs are copied into the other table's
+run directory with a `same_run_as.txt` naming the source.
+
 `--extra` passes more flags to every subprocess (config overrides; the tests use a tiny model).
-One `small` run leaves an H200 mostly idle: three runs per GPU took 1.0-1.7 s per GRPO step each
-(one alone: about 1 s); five saturated it (4 s) and, at 38 GiB of train-step memory each, ran out
-of memory (2026-11-30, `results/runs/table1_nvfp4/README.md`).
+One `small` run leaves an H200 mostly idle. With `grouped_matmul="ragged_dot"` (38 GiB train
+step) three runs per GPU took 1.0-1.7 s per GRPO step each and five ran out of memory
+(`results/runs/table1_nvfp4/README.md`); with "auto" (2026-11-30, `trace`, from random init) one
+run alone takes 0.77 s per step, six per GPU 3.1-3.6 s each (1.8 steps/s in all), and nine ran
+out of memory (141 GiB in use).
 """
 
 from __future__ import annotations
@@ -40,10 +47,18 @@ from collections.abc import Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import paper_table
+from experiments import main as rl_main
+from experiments import paper_table, sft
+from trace_jax.rl.methods import get_method
 
 # What a device session brings back: logs and evaluations, never checkpoints or guidance stores.
-BUNDLE_SUFFIXES = ("rl_metrics.jsonl", "rl_eval.jsonl", "sft_eval.json", "sft_metrics.jsonl")
+BUNDLE_SUFFIXES = (
+    "rl_metrics.jsonl",
+    "rl_eval.jsonl",
+    "sft_eval.json",
+    "sft_metrics.jsonl",
+    "same_run_as.txt",
+)
 BUNDLE_DIRS_SKIPPED = ("rl_checkpoints", "guidance", "sft_checkpoint", "tensorboard", "jax_cache")
 
 
@@ -70,10 +85,15 @@ class Job:
     seed: int
     seed_index: int
     n_seeds: int
+    # The job whose run this one is (the same training in another table): copied, not trained.
+    same_as: str = ""
 
     @property
     def name(self) -> str:
         return f"{self.table}/{self.label}/seed{self.seed}".replace(" ", "_")
+
+    def run_dir(self, root: str) -> str:
+        return paper_table.run_dir(os.path.join(root, self.table), self.label, self.seed)
 
     def command(self, root: str, extra: Sequence[str]) -> list[str]:
         return [
@@ -123,6 +143,60 @@ def pending_jobs(table_paths: Sequence[str], cfgs: Sequence, root: str) -> list[
                 if seed not in done:
                     jobs.append(Job(path, cfg.table.name, label, seed, k, len(seeds)))
     return jobs
+
+
+def run_identity(cfg, label: str, overrides: dict, seed: int) -> str:
+    """What a table's (run, seed) trains, as a string: the experiment config without the table
+    and with the guided layers resolved through the method (Table 7's `trace` is Table 5's `trace
+    half`: TRACE guides the deeper half by default). Tables of one session share the SFT stage,
+    so runs of equal identity are the same training."""
+    c = paper_table.run_config(cfg, label, overrides, seed, sft_checkpoint="")
+    n_layers = sft.model_config(c).n_layers
+    quant = get_method(c.rl.method).quant_configs(
+        c.rl.format, n_layers, guided_layers=rl_main.guided_layers(c.rl, n_layers)
+    )
+    d = c.to_dict()
+    del d["table"], d["rl"]["guided_layers"]
+    return json.dumps({"config": d, "quant": repr(quant)}, sort_keys=True, default=str)
+
+
+def share_identical_runs(cfgs: Sequence, root: str, jobs: Sequence[Job]) -> list[Job]:
+    """Marks each pending job that trains what an earlier (table, run, seed) of the session trains
+    (`run_identity`) as the same as that one: its logs are copied once the first finishes
+    (`copy_run`; at once if it finished in an earlier invocation). Returns the jobs left."""
+    first: dict[str, tuple[str, str]] = {}  # identity -> (job name, run dir)
+    pending = {j.name: j for j in jobs}
+    out = []
+    for cfg in cfgs:
+        for label, overrides in cfg.table.runs:
+            for k, seed in enumerate(cfg.table.seeds):
+                job = Job("", cfg.table.name, label, seed, k, 0)
+                name, here = job.name, job.run_dir(root)
+                key = run_identity(cfg, label, overrides, seed)
+                if key not in first:
+                    first[key] = (name, here)
+                    if name in pending:
+                        out.append(pending[name])
+                    continue
+                if name not in pending:
+                    continue
+                src_name, src = first[key]
+                if src_name in pending:
+                    out.append(dataclasses.replace(pending[name], same_as=src_name))
+                else:
+                    copy_run(src, here)
+    return out
+
+
+def copy_run(src: str, dst: str) -> None:
+    """The logs and evaluations of the run in `src` (not checkpoints or guidance) into `dst`, with
+    a note naming where they came from."""
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f.endswith(BUNDLE_SUFFIXES):
+            shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+    with open(os.path.join(dst, "same_run_as.txt"), "w") as f:
+        f.write(os.path.relpath(src, os.path.dirname(os.path.dirname(os.path.dirname(dst)))) + "\n")
 
 
 def adopt_finished(cfg, root: str, done_from: str) -> list[str]:
@@ -176,12 +250,18 @@ def run_queue(
     """Runs `jobs` on `len(gpus) * per_gpu` slots; returns each started job's last return code.
 
     `launch(job, gpu, log_path)` starts one job (a `Popen`); a failed job goes back to the end of
-    the queue up to `retries` times. No job starts after `deadline_s` seconds.
+    the queue up to `retries` times. No job starts after `deadline_s` seconds. A job with
+    `same_as` is not launched: the run of that job is copied into it when it finishes (if that
+    one fails for good, this one is queued to train itself).
     """
     log_dir = os.path.join(root, "logs")
     os.makedirs(log_dir, exist_ok=True)
     events = open(os.path.join(root, "session.jsonl"), "a")
-    queue = [(job, 0) for job in jobs]
+    queue = [(job, 0) for job in jobs if not job.same_as]
+    waiting: dict[str, list[Job]] = {}  # job name -> the jobs that are the same run
+    for job in jobs:
+        if job.same_as:
+            waiting.setdefault(job.same_as, []).append(job)
     running: dict[int, tuple[Job, int, subprocess.Popen, float]] = {}
     slots = [gpu for gpu in gpus for _ in range(per_gpu)]
     codes: dict[str, int] = {}
@@ -218,6 +298,14 @@ def run_queue(
                 logging.info("end %s rc=%d (%.0f s)", job.name, rc, time.perf_counter() - started)
                 if rc != 0 and attempt < retries:
                     queue.append((job, attempt + 1))
+                    continue
+                for same in waiting.pop(job.name, []):
+                    if rc == 0:
+                        copy_run(job.run_dir(root), same.run_dir(root))
+                        codes[same.name] = 0
+                        event(copied=job.name, to=same.name)
+                    else:
+                        queue.append((dataclasses.replace(same, same_as=""), 0))
     finally:
         for _, _, proc, _ in running.values():  # interrupted: leave no orphans
             proc.terminate()
@@ -328,7 +416,7 @@ def run_session(
         for cfg in cfgs:
             adopted = adopt_finished(cfg, root, done_from)
             logging.info("%s: %d runs finished earlier", cfg.table.name, len(adopted))
-    jobs = pending_jobs(table_paths, cfgs, root)
+    jobs = share_identical_runs(cfgs, root, pending_jobs(table_paths, cfgs, root))
     logging.info("%d jobs pending on GPUs %s x %d", len(jobs), gpus, per_gpu)
     if jobs:
         sft_cmd = [

@@ -212,3 +212,78 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
         assert (dest / t / "logs" / "s6_sft.log").read_text() == "sftlog"
     assert (dest / "t1" / "logs" / "s6_t1_trace_seed0.0.log").exists()
     assert not (dest / "t1" / "logs" / "s6_t4_trace_x_seed1.0.log").exists()
+
+
+def test_run_identity_resolves_the_methods_guided_layers():
+    t7, t5 = (table_session.load_table(p, []) for p in ("configs/table7_ptq.py", TABLE5))
+    ident = table_session.run_identity
+    trace = ident(t7, "trace", {"rl.method": "trace"}, 0)
+    # TRACE guides the deeper half by default: Table 7's `trace` is Table 5's `trace half`.
+    assert trace == ident(t5, "trace half", {"rl.method": "trace", "rl.guided_layers": "half"}, 0)
+    assert trace != ident(t5, "trace all", {"rl.method": "trace", "rl.guided_layers": "all"}, 0)
+    assert trace != ident(t7, "trace", {"rl.method": "trace"}, 1)  # another seed
+    assert trace != ident(t7, "bf16", {"rl.method": "bf16"}, 0)
+
+
+TABLE5 = "configs/table5_layers.py"
+
+
+def _writing_launcher(root, fail_always: set[str], log: list):
+    """Like `_fake_launcher`, but each job leaves a final evaluation in its run directory."""
+
+    def launch(job, gpu, log_path):
+        log.append(job.name)
+        run = job.run_dir(root)
+        os.makedirs(run, exist_ok=True)
+        with open(os.path.join(run, "rl_eval.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 99, "from": job.name}) + "\n")
+        code = 1 if job.name in fail_always else 0
+        return subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+
+    return launch
+
+
+def test_identical_runs_of_two_tables_train_once(tmp_path):
+    root = str(tmp_path)
+    paths = ["configs/table7_ptq.py", TABLE5]
+    cfgs = [table_session.load_table(p, []) for p in paths]
+    # Table 7's trace seed 2 finished in an earlier invocation: Table 5's copy is made at once.
+    done = tmp_path / "table7_policies" / "trace" / "seed2"
+    done.mkdir(parents=True)
+    (done / "rl_eval.jsonl").write_text(json.dumps({"step": 99, "from": "earlier"}) + "\n")
+    jobs = table_session.share_identical_runs(
+        cfgs, root, table_session.pending_jobs(paths, cfgs, root)
+    )
+    same = {j.name: j.same_as for j in jobs if j.same_as}
+    assert same == {
+        f"table5_layers/trace_half/seed{k}": f"table7_policies/trace/seed{k}" for k in (0, 1)
+    }
+    assert len(jobs) == 5 + 11 and "table5_layers/trace_half/seed2" not in {j.name for j in jobs}
+    copied = tmp_path / "table5_layers" / "trace_half" / "seed2"
+    assert "earlier" in (copied / "rl_eval.jsonl").read_text()
+    assert (copied / "same_run_as.txt").read_text().strip() == "table7_policies/trace/seed2"
+
+    # The queue trains Table 7's trace seed 0 once and copies it; seed 1 fails for good, so
+    # Table 5's `trace half` seed 1 trains itself.
+    started = []
+    failing = {"table7_policies/trace/seed1"}
+    codes = table_session.run_queue(
+        jobs,
+        gpus=[None],
+        per_gpu=4,
+        root=root,
+        launch=_writing_launcher(root, failing, started),
+        deadline_s=None,
+        poll_s=0.05,
+    )
+    assert "table5_layers/trace_half/seed0" not in started
+    assert started.count("table7_policies/trace/seed0") == 1
+    assert started.count("table7_policies/trace/seed1") == 2  # retried once
+    assert "table5_layers/trace_half/seed1" in started
+    assert codes["table5_layers/trace_half/seed0"] == 0 and codes["table7_policies/trace/seed1"]
+    half0 = tmp_path / "table5_layers" / "trace_half" / "seed0"
+    assert "table7_policies/trace/seed0" in (half0 / "rl_eval.jsonl").read_text()
+    events = [json.loads(x) for x in open(tmp_path / "session.jsonl")]
+    assert {"copied": "table7_policies/trace/seed0", "to": "table5_layers/trace_half/seed0"} in [
+        {k: e[k] for k in ("copied", "to")} for e in events if "copied" in e
+    ]
