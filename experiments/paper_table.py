@@ -173,6 +173,19 @@ def aggregate(cfg, workdir: str, partial: bool = False) -> list[dict]:
     return rows
 
 
+def shared_runs(cfg, workdir: str) -> list[tuple[str, int, str]]:
+    """(label, seed, source) of this table's runs whose logs are another table's run
+    (`same_run_as.txt`, written by `experiments.table_session`)."""
+    out = []
+    for label, _ in cfg.table.runs:
+        for seed in cfg.table.seeds:
+            path = os.path.join(run_dir(workdir, label, seed), "same_run_as.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out.append((label, seed, f.read().strip()))
+    return out
+
+
 STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
 
 
@@ -387,6 +400,13 @@ def run(
             f"\n\nAdaptation: on the hardest split (`{adapt['split']}`, lowest SFT score) `trace` "
             + (f"first matches `bf16` at step {at}" if at is not None else "never matches `bf16`")
             + f" (mean over seeds at least bf16's mean minus its std; {pts})."
+        )
+    shared = shared_runs(cfg, workdir)
+    if shared:
+        notes += (
+            "\n\nRuns trained once for two tables (the same config and SFT start): "
+            + "; ".join(f"`{label}` seed {seed} is `{src}`" for label, seed, src in shared)
+            + "."
         )
     if aggregate_only:
         notes = (

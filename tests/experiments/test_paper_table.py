@@ -184,3 +184,15 @@ def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
         path = tmp_path / "qat_lr" / f"seed{seed}" / "rl_eval.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert paper_table.adaptation(cfg, str(tmp_path), "qat lr", "qat")["matched_at"] is None
+
+
+def test_shared_runs_name_the_run_each_copy_came_from(tmp_path):
+    cfg = _cfg()
+    for label, _ in cfg.table.runs:  # two finished-looking runs; one is a copy of another's
+        for seed in cfg.table.seeds:
+            (tmp_path / label.replace(" ", "_") / f"seed{seed}").mkdir(parents=True)
+    copy = tmp_path / "qat_lr" / "seed1" / "same_run_as.txt"
+    copy.write_text("table7_policies/trace/seed1\n")
+    assert paper_table.shared_runs(cfg, str(tmp_path)) == [
+        ("qat lr", 1, "table7_policies/trace/seed1")
+    ]
