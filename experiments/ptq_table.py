@@ -16,8 +16,9 @@ rollout ran). pass@1 per held-out split and their mean; the summed squared weigh
 recipe. Writes <outdir>/<name>.{md,json}.
 
 Each seed's rows are also written to `<outdir>/<name>_seeds/seed<k>.json` as soon as they are
-computed, with the two policy paths they came from: a rerun with the same policies reuses them
-(an interrupted table resumes at the next seed). `--gpus=0,1` evaluates the seeds in parallel
+computed, the BF16 policy's and TRACE's apart, each with the policy path it came from: a rerun
+reuses every part computed from the same policy (an interrupted table resumes; a first run with
+the BF16 policies only can start while the TRACE policies still train). `--gpus=0,1` evaluates the seeds in parallel
 subprocesses, seed k on GPU `gpus[k % len(gpus)]`, then merges their files.
 """
 
@@ -90,16 +91,10 @@ def calibration_batch(cfg, n_prompts: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(prompts), valid
 
 
-def policy_rows(
-    cfg, bf16_policy: str, trace_policy: str = "", calibration_prompts: int = 64
-) -> list[dict]:
-    """One seed's rows: the BF16 policy in bf16, each PTQ recipe with FP4 execution, TRACE."""
-    fp4_exec = QuantConfig.nvfp4()
-    rows = []
+def bf16_policy_rows(cfg, bf16_policy: str, calibration_prompts: int = 64) -> list[dict]:
+    """One seed's BF16-trained policy: in bf16, then with each PTQ recipe and FP4 execution."""
     policy = load_policy(cfg, bf16_policy)
-    rows.append(
-        {"policy": "BF16-trained, bf16 execution", **_scores(cfg, policy, None, SiteMode.OFF)}
-    )
+    rows = [{"policy": "BF16-trained, bf16 execution", **_scores(cfg, policy, None, SiteMode.OFF)}]
     tokens, valid = calibration_batch(cfg, calibration_prompts)
     stats = ptq.calibration_stats(policy, tokens, valid)
     for recipe in ptq.RECIPES:
@@ -111,15 +106,14 @@ def policy_rows(
         row["weight_sq_error"] = sum(errors.values())
         rows.append(row)
         logging.info("%s", row)
-    if trace_policy:
-        model = load_policy(cfg, trace_policy)
-        rows.append(
-            {
-                "policy": "TRACE final policy, FP4 execution",
-                **_scores(cfg, model, fp4_exec, SiteMode.RTN),
-            }
-        )
     return rows
+
+
+def trace_policy_row(cfg, trace_policy: str) -> dict:
+    """One seed's TRACE final policy with its own FP4 execution (RTN weights, as it rolled out)."""
+    model = load_policy(cfg, trace_policy)
+    scores = _scores(cfg, model, QuantConfig.nvfp4(), SiteMode.RTN)
+    return {"policy": "TRACE final policy, FP4 execution", **scores}
 
 
 def over_seeds(per_seed: Sequence[list[dict]]) -> list[dict]:
@@ -144,21 +138,37 @@ def seed_rows_path(outdir: str, name: str, seed: int) -> str:
 def seed_rows(
     cfg, outdir: str, name: str, seed: int, bf16_policy: str, trace_policy: str, calibration: int
 ) -> list[dict]:
-    """Seed `seed`'s rows: reused from its file when that was computed from the same policies,
-    else computed (`policy_rows`) and written there."""
+    """Seed `seed`'s rows: the BF16 policy's (`bf16_policy_rows`) then, if given, TRACE's
+    (`trace_policy_row`). Each part is kept in the seed's file as soon as it is computed and
+    reused when the file holds it for the same policy (and calibration): an interrupted table
+    resumes, and the BF16 part can be evaluated while the TRACE policies still train."""
     path = seed_rows_path(outdir, name, seed)
-    source = {"bf16_policy": bf16_policy, "trace_policy": trace_policy}
+    saved = {}
     if os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        if saved["source"] == source:
-            logging.info("seed %d: reusing %s", seed, path)
-            return saved["rows"]
-    rows = policy_rows(cfg, bf16_policy, trace_policy, calibration)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"source": source, "rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)  # a seed's file is whole or absent
+    parts = [
+        (
+            "bf16",
+            {"policy": bf16_policy, "calibration_prompts": calibration},
+            lambda: bf16_policy_rows(cfg, bf16_policy, calibration),
+        )
+    ]
+    if trace_policy:
+        parts.append(
+            ("trace", {"policy": trace_policy}, lambda: [trace_policy_row(cfg, trace_policy)])
+        )
+    rows = []
+    for part, source, compute in parts:
+        if saved.get(part, {}).get("source") == source:
+            logging.info("seed %d: reusing its %s rows from %s", seed, part, path)
+        else:
+            saved[part] = {"source": source, "rows": compute()}
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(saved, f, indent=1)
+            os.replace(path + ".tmp", path)  # a seed's file is whole or absent
+        rows += saved[part]["rows"]
     return rows
 
 

@@ -58,29 +58,42 @@ def test_ptq_table_rows(tmp_path):
         ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])
 
 
-def test_seed_rows_are_saved_reused_and_recomputed_for_other_policies(tmp_path, monkeypatch):
+def test_seed_rows_are_saved_reused_and_recomputed_per_policy(tmp_path, monkeypatch):
     calls = []
 
-    def fake_rows(cfg, bf16, trace, calibration):
-        calls.append((bf16, trace))
-        return [{"policy": "p", "average": float(len(bf16) + 10 * len(trace))}]
+    def fake_bf16_rows(cfg, bf16, calibration):
+        calls.append(("bf16", bf16, calibration))
+        return [{"policy": "b", "average": float(len(bf16) + 100 * calibration)}]
 
-    monkeypatch.setattr(ptq_table, "policy_rows", fake_rows)
+    def fake_trace_row(cfg, trace):
+        calls.append(("trace", trace))
+        return {"policy": "t", "average": float(10 * len(trace))}
+
+    monkeypatch.setattr(ptq_table, "bf16_policy_rows", fake_bf16_rows)
+    monkeypatch.setattr(ptq_table, "trace_policy_row", fake_trace_row)
     cfg = tiny_cpu.get_config()
-    kw = dict(outdir=str(tmp_path), name="t7")
-    rows = ptq_table.run(cfg, bf16_policies=["a", "bb"], trace_policies=["t", "t"], **kw)
-    assert calls == [("a", "t"), ("bb", "t")]
-    assert rows[0]["average_seeds"] == [11.0, 12.0]
-    assert (tmp_path / "t7_seeds" / "seed1.json").exists()
-    # Interrupted after seed 0 of a changed table: seed 0 is reused, seed 1 (new policy) is not.
+    kw = dict(outdir=str(tmp_path), name="t7", calibration_prompts=1)
+    # The BF16 policies first (TRACE still training): a table without the TRACE row.
+    rows = ptq_table.run(cfg, bf16_policies=["a", "bb"], **kw)
+    assert calls == [("bf16", "a", 1), ("bf16", "bb", 1)] and len(rows) == 1
+    assert rows[0]["average_seeds"] == [101.0, 102.0]
+    # Then with TRACE's policies: only TRACE's rows are computed.
     calls.clear()
-    rows = ptq_table.run(cfg, bf16_policies=["a", "ccc"], trace_policies=["t", "t"], **kw)
-    assert calls == [("ccc", "t")] and rows[0]["average_seeds"] == [11.0, 13.0]
+    rows = ptq_table.run(cfg, bf16_policies=["a", "bb"], trace_policies=["t", "tt"], **kw)
+    assert calls == [("trace", "t"), ("trace", "tt")]
+    assert [r["average_seeds"] for r in rows] == [[101.0, 102.0], [10.0, 20.0]]
+    # A changed policy or calibration recomputes that part of that seed only.
+    calls.clear()
+    rows = ptq_table.run(cfg, bf16_policies=["a", "ccc"], trace_policies=["t", "tt"], **kw)
+    assert calls == [("bf16", "ccc", 1)] and rows[0]["average_seeds"] == [101.0, 103.0]
+    calls.clear()
+    ptq_table.run(cfg, bf16_policies=["a"], **{**kw, "calibration_prompts": 2})
+    assert calls == [("bf16", "a", 2)]
     # A worker evaluates its one seed and writes no table.
     calls.clear()
     (tmp_path / "t7.json").unlink()
     ptq_table.run(cfg, bf16_policies=["x", "y"], worker_seed=1, **kw)
-    assert calls == [("y", "")] and not (tmp_path / "t7.json").exists()
+    assert calls == [("bf16", "y", 1)] and not (tmp_path / "t7.json").exists()
 
 
 def test_missing_policy_is_a_clear_error(tmp_path):
