@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 
 import matplotlib
 import numpy as np
@@ -45,6 +46,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
+
+
+def benchmark_splits(splits: Sequence[str]) -> list[str]:
+    """The paper's benchmark splits among `splits`: what `average` means in every table (level1
+    is the training distribution, not a benchmark)."""
+    bench = [s for s in splits if s in BENCHMARK_SPLITS]
+    if not bench:
+        raise ValueError(
+            f"no benchmark split among {list(splits)}: expected some of {BENCHMARK_SPLITS}"
+        )
+    return bench
+
+
+def benchmark_average(scores: Mapping[str, float], splits: Sequence[str]) -> float:
+    """The mean of `scores` (pass@1 by split) over the benchmark splits among `splits`."""
+    return float(np.mean([scores[s] for s in benchmark_splits(splits)]))
 
 
 def run_dir(workdir: str, label: str, seed: int) -> str:
@@ -146,7 +163,6 @@ def aggregate(cfg, workdir: str, partial: bool = False) -> list[dict]:
     `partial`: over the finished seeds only (`seeds` says how many); runs with none are left out.
     Otherwise an unfinished seed is an error."""
     splits = list(cfg.eval.splits)
-    bench = [s for s in splits if s in BENCHMARK_SPLITS]
     rows = []
     for label, overrides in cfg.table.runs:
         finals = []
@@ -163,7 +179,7 @@ def aggregate(cfg, workdir: str, partial: bool = False) -> list[dict]:
             vals = np.asarray([f[s] for f in finals], np.float64)
             row[s] = float(vals.mean())
             row[f"{s}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else float("nan")
-        avg = np.asarray([np.mean([f[s] for s in bench]) for f in finals], np.float64)
+        avg = np.asarray([benchmark_average(f, splits) for f in finals], np.float64)
         row["average"] = float(avg.mean())
         row["average_std"] = float(avg.std(ddof=1)) if len(avg) > 1 else float("nan")
         row["seeds"] = len(finals)
@@ -216,7 +232,7 @@ def sft_row(cfg, workdir: str, execution: str = "bf16") -> dict | None:
         return None
     by_split = {r["split"]: r[key] for r in rows}
     row = {"run": f"SFT start ({execution})", **{s: float(by_split[s]) for s in cfg.eval.splits}}
-    row["average"] = float(np.mean([by_split[s] for s in cfg.eval.splits if s in BENCHMARK_SPLITS]))
+    row["average"] = benchmark_average(by_split, cfg.eval.splits)
     return row
 
 
@@ -253,7 +269,7 @@ def adaptation(
         evals[label] = [
             _jsonl(os.path.join(run_dir(workdir, label, sd), "rl_eval.jsonl")) for sd in seeds
         ]
-    bench = [sp for sp in cfg.eval.splits if sp in BENCHMARK_SPLITS]
+    bench = benchmark_splits(cfg.eval.splits)
     start = sft_row(cfg, workdir)
     if start is not None:
         split = min(bench, key=lambda sp: start[sp])
@@ -305,10 +321,9 @@ def _plot(cfg, workdir: str, path: str) -> None:
             vals = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], axis=0)
             ax.plot(steps, _smooth(vals), label=label)
         evals = [_jsonl(os.path.join(d, "rl_eval.jsonl")) for d in dirs]
-        bench = [s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]
         steps = [r["step"] for r in evals[0]]
         score = np.mean(
-            [[np.mean([r[s] for s in bench]) for r in e[: len(steps)]] for e in evals], 0
+            [[benchmark_average(r, cfg.eval.splits) for r in e[: len(steps)]] for e in evals], 0
         )
         if sft_score is not None:  # the starting point of every run
             steps, score = [-1, *steps], [sft_score, *score]
@@ -384,7 +399,7 @@ def run(
         f"bf16; the SFT start under both), averaged over k = {cfg.eval.k} samples at temperature "
         f"{cfg.eval.temperature}, {cfg.eval.problems_per_split} problems per split; mean and "
         f"sample std over seeds {list(cfg.table.seeds)}. `average`: mean over "
-        f"{[s for s in cfg.eval.splits if s in BENCHMARK_SPLITS]}.\n\n![curves]({name}.png)"
+        f"{benchmark_splits(cfg.eval.splits)}.\n\n![curves]({name}.png)"
     )
     n = len(cfg.table.seeds)
     missing = [f"{r['run']} ({n - r['seeds']} of {n})" for r in rows if r["seeds"] < n]

@@ -18,8 +18,9 @@ recipe. Writes <outdir>/<name>.{md,json}.
 Each seed's rows are also written to `<outdir>/<name>_seeds/seed<k>.json` as soon as they are
 computed, the BF16 policy's and TRACE's apart, each with the policy path it came from: a rerun
 reuses every part computed from the same policy (an interrupted table resumes; a first run with
-the BF16 policies only can start while the TRACE policies still train). `--gpus=0,1` evaluates the seeds in parallel
-subprocesses, seed k on GPU `gpus[k % len(gpus)]`, then merges their files.
+the BF16 policies only can start while the TRACE policies still train). `--gpus=0,1` evaluates
+the seeds in parallel subprocesses, seed k on GPU `gpus[k % len(gpus)]`, then merges their
+files. `average`: the benchmark splits' mean, as in every table (`paper_table.benchmark_average`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from experiments import main as rl_main
-from experiments import results_io, sft
+from experiments import paper_table, results_io, sft
 from experiments.gpu_workers import run_workers
 from trace_jax import tasks
 from trace_jax.models import init_model
@@ -75,7 +76,7 @@ def _scores(cfg, model, qcfg, mode) -> dict[str, float]:
             qcfg=qcfg,
             mode=mode,
         )
-    row["average"] = float(np.mean([row[s] for s in cfg.eval.splits]))
+    row["average"] = paper_table.benchmark_average(row, cfg.eval.splits)
     return row
 
 

@@ -44,8 +44,8 @@ def test_ptq_table_rows(tmp_path):
             vals = r[f"{key}_seeds"]
             np.testing.assert_allclose(r[key], np.mean(vals))
             np.testing.assert_allclose(r[f"{key}_std"], np.std(vals, ddof=1))
-        per_seed_avg = np.mean([r["level1_seeds"], r["aime24_seeds"]], axis=0)
-        np.testing.assert_allclose(r["average_seeds"], per_seed_avg)
+        # The benchmark average, as in every table: level1 (the training distribution) is out.
+        np.testing.assert_allclose(r["average_seeds"], r["aime24_seeds"])
     errors = [r["weight_sq_error_seeds"] for r in rows if "weight_sq_error" in r]
     assert len(errors) == 3 and all(e[0] > 0 and e[0] != e[1] for e in errors)  # seeds differ
     for r in rows[1:4]:  # the weight error differs between seeds: its std is not 0
@@ -99,3 +99,12 @@ def test_seed_rows_are_saved_reused_and_recomputed_per_policy(tmp_path, monkeypa
 def test_missing_policy_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no policy at"):
         ptq_table.load_policy(tiny_cpu.get_config(), str(tmp_path / "nowhere"))
+
+
+def test_average_is_over_the_benchmark_splits(monkeypatch):
+    cfg = tiny_cpu.get_config()
+    cfg.eval.update(splits=("level1", "aime24", "aime25"), problems_per_split=1)
+    scores = iter([0.9, 0.2, 0.4])  # level1 (training distribution) is left out of the average
+    monkeypatch.setattr(ptq_table, "evaluate_pass_at_1", lambda *a, **k: next(scores))
+    row = ptq_table._scores(cfg, None, None, None)
+    assert row["level1"] == 0.9 and row["average"] == pytest.approx(0.3)
