@@ -316,8 +316,12 @@ def _flash_decode(
     config: BlockConfig,
     interpret: bool,
     name: str,
+    body: Callable | None = None,
 ) -> jax.Array:
     """q [B, H, Dh]; each kv array [B, S, Hkv, ...] (rows per slot and kv head) -> [B, H, Dh].
+
+    `body`: the kernel body (default `_flash_decode_kernel`; the decode-attention ablation in
+    `experiments/` passes cut-down bodies with the same refs to time the kernel's parts).
 
     With `n_planes` = 2 the kernel sees the head dim as even and odd planes (FP4 rows decode that
     way without an interleave); the output planes are interleaved back here. K and V values come
@@ -350,7 +354,7 @@ def _flash_decode(
         return pl.BlockSpec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *(0 for _ in rest)))
 
     kernel = functools.partial(
-        _flash_decode_kernel,
+        body or _flash_decode_kernel,
         load_kv=load_kv,
         n_planes=n_planes,
         n_kv_refs=len(kv_arrays),
@@ -409,6 +413,22 @@ def fp4_decode_attention_pallas(
     interpret: bool,
 ) -> jax.Array:
     """Decode attention reading the packed FP4 cache in the kernel (inputs checked by the api)."""
+    return _flash_decode(
+        q,
+        lengths=lengths,
+        config=config,
+        interpret=interpret,
+        name="fp4_decode_attn",
+        **fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret),
+    )
+
+
+def fp4_kernel_inputs(
+    q_dtype, k_cache: PackedTensorCache, v_cache: PackedTensorCache, config: BlockConfig, interpret
+) -> dict:
+    """`_flash_decode`'s cache arguments for a packed FP4 cache: the kv arrays (codes split by
+    scale block for the "f16" decode, scale bits, NVFP4 global scales), their loader and the
+    dot settings."""
     fmt = k_cache.fmt
     f16 = config.decode == "f16"
     arrays = []
@@ -420,23 +440,18 @@ def fp4_decode_attention_pallas(
         if fmt.has_global_scale:
             arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, S, Hkv]
     if f16:
-        dot_dtype = jnp.float16 if q.dtype == jnp.bfloat16 else jnp.float32
+        dot_dtype = jnp.float16 if q_dtype == jnp.bfloat16 else jnp.float32
         load_kv = _fp4_f16_load_kv(fmt, config.block_s, dot_dtype, inline_asm=not interpret)
     else:
-        dot_dtype = dot_dtype_for(q.dtype)
+        dot_dtype = dot_dtype_for(q_dtype)
         load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype)
-    return _flash_decode(
-        q,
-        arrays,
-        lengths,
-        load_kv,
+    return dict(
+        kv_arrays=arrays,
+        load_kv=load_kv,
         n_planes=2,
         value_factor=common.F16_ALIGN if f16 else common.E4M3_ALIGN,
         dot_dtype=dot_dtype,
         normalize_q=f16,
-        config=config,
-        interpret=interpret,
-        name="fp4_decode_attn",
     )
 
 

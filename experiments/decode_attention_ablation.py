@@ -1,0 +1,282 @@
+r"""Where the FP4 decode-attention kernel's time goes: the kernel cut down stage by stage.
+
+  python -m experiments.decode_attention_ablation [--contexts=32768,131072] [--quick]
+
+Nsight Compute does not run under JAX on the device machine (it segfaulted twice,
+`results/kernels_findings.md` item 10), so the split comes from timing cut-down kernels side by
+side instead. Every variant is the production kernel's launch (`kernel._flash_decode`: grid,
+BlockSpecs, masked loads, the default FP4 tiling) over the same packed NVFP4 cache, with a
+different body:
+
+  load    reads every K/V byte (codes, scale bits, global scales) and XORs / adds it into
+          register accumulators (about 0.5 op per element), nothing else;
+  decode  + the word-level PTX decode to float16 planes and the block scales (`load_kv`, as in
+          production), accumulated with one float16 add per element;
+  scores  + q . k on the tensor cores (with the register-to-dot-operand layout conversion of K),
+          the row factors and the running max; V still only decoded and accumulated;
+  full    the production kernel (online softmax, p . v).
+
+Differences between consecutive rows are what each part adds (approximately: the accumulation
+that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
+bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
+heads, head_dim 128. Writes `<outdir>/decode_attention_ablation.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+from jax.experimental import pallas as pl
+
+from experiments import results_io
+from experiments.bench_kernels import _key, _kv, _packed, _time, ceilings
+from experiments.timing import nbytes
+from kernels_pallas.fp4_decode_attention import api
+from kernels_pallas.fp4_decode_attention import kernel as K
+from trace_jax import fp4
+
+STAGES = ("load", "decode", "scores", "full")
+
+
+def _loop(len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, step, init, finish):
+    """The production kernel's split loop around `step(i, start, valid, qs, q_scale, carry)`;
+    `finish(carry)` -> m [block_g] float32, written with zero accumulators and unit sums."""
+    q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
+    acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
+    length = len_ref[()]
+    chunk_start = pl.program_id(2) * chunk
+    n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
+    qs = [r[...] for r in q_refs]
+    q_scale = q_scale_ref[...][:, None]
+
+    def body(i, carry):
+        start = chunk_start + i * block_s
+        valid = start + jnp.arange(block_s, dtype=jnp.int32) < length
+        return step(kv_refs, start, valid, qs, q_scale, carry)
+
+    carry = jax.lax.fori_loop(0, n_blocks, body, init(kv_refs, qs))
+    m = finish(carry)
+    for acc_ref, q in zip(acc_refs, qs, strict=True):
+        acc_ref[...] = jnp.zeros(q.shape, jnp.float32)
+    m_ref[...] = m
+    sum_ref[...] = jnp.ones_like(m)
+
+
+def _reduce(arrays, block_g: int) -> jax.Array:
+    """All accumulators summed into one float32, broadcast to [block_g] (keeps them alive)."""
+    total = jnp.zeros((), jnp.float32)
+    for a in arrays:
+        a = a.astype(jnp.float32)
+        while a.ndim > 1:  # one axis at a time (what the Triton lowering reduces)
+            a = a.sum(axis=-1)
+        total = total + a.sum(axis=0)
+    return jnp.full((block_g,), total, jnp.float32)
+
+
+def _load_body(len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor):
+    del load_kv, v_factor
+
+    def init(kv_refs, qs):
+        return tuple(jnp.zeros((block_s, *r.shape[1:]), r.dtype) for r in kv_refs)
+
+    def step(kv_refs, start, valid, qs, q_scale, accs):
+        rows = [K._load_rows(r, start, block_s, valid) for r in kv_refs]
+        return tuple(
+            a ^ x if jnp.issubdtype(x.dtype, jnp.integer) else a + x
+            for a, x in zip(accs, rows, strict=True)
+        )
+
+    block_g = refs[0].shape[0]
+    _loop(
+        len_ref,
+        q_scale_ref,
+        refs,
+        n_planes,
+        n_kv_refs,
+        chunk,
+        block_s,
+        step,
+        init,
+        lambda accs: _reduce(accs, block_g),
+    )
+
+
+def _decode_body(
+    len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor
+):
+    del v_factor
+    block_g, dp = refs[0].shape
+
+    def init(kv_refs, qs):
+        planes = tuple(jnp.zeros((block_s, dp), qs[0].dtype) for _ in range(2 * n_planes))
+        return planes, jnp.zeros((block_s,), jnp.float32)
+
+    def step(kv_refs, start, valid, qs, q_scale, carry):
+        planes, rows = carry
+        ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
+        planes = tuple(a + x for a, x in zip(planes, (*ks, *vs), strict=True))
+        for f in (k_scale, v_scale):
+            rows = rows if f is None else rows + f
+        return planes, rows
+
+    _loop(
+        len_ref,
+        q_scale_ref,
+        refs,
+        n_planes,
+        n_kv_refs,
+        chunk,
+        block_s,
+        step,
+        init,
+        lambda c: _reduce((*c[0], c[1]), block_g),
+    )
+
+
+def _scores_body(
+    len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor
+):
+    del v_factor
+    block_g, dp = refs[0].shape
+
+    def init(kv_refs, qs):
+        v_planes = tuple(jnp.zeros((block_s, dp), qs[0].dtype) for _ in range(n_planes))
+        return jnp.full((block_g,), -jnp.inf, jnp.float32), v_planes, jnp.zeros((block_s,))
+
+    def step(kv_refs, start, valid, qs, q_scale, carry):
+        m, v_planes, rows = carry
+        ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
+        s = sum(
+            jnp.dot(q, k.T, precision=K._PRECISION, preferred_element_type=jnp.float32)
+            for q, k in zip(qs, ks, strict=True)
+        )
+        if k_scale is not None:
+            s = s * k_scale[None, :]
+        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
+        v_planes = tuple(a + x for a, x in zip(v_planes, vs, strict=True))
+        rows = rows if v_scale is None else rows + v_scale
+        return jnp.maximum(m, s.max(axis=1)), v_planes, rows
+
+    _loop(
+        len_ref,
+        q_scale_ref,
+        refs,
+        n_planes,
+        n_kv_refs,
+        chunk,
+        block_s,
+        step,
+        init,
+        lambda c: c[0] + _reduce((*c[1], c[2]), block_g) * 0.0,
+    )
+
+
+BODIES = {"load": _load_body, "decode": _decode_body, "scores": _scores_body, "full": None}
+
+
+@functools.partial(jax.jit, static_argnames=("stage", "config", "interpret"))
+def run_stage(q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bool) -> jax.Array:
+    """The FP4 kernel's launch over the packed caches with `stage`'s body -> [B, H, Dh] (only
+    "full" is attention; the others return what keeps their work alive)."""
+    return K._flash_decode(
+        q,
+        lengths=lengths,
+        config=config,
+        interpret=interpret,
+        name=f"fp4_decode_attn_{stage}",
+        body=BODIES[stage],
+        **K.fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret),
+    )
+
+
+def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
+    b, h, hkv, dh = (2, 4, 2, 64) if quick else (16, 32, 4, 128)
+    ceil = ceilings(quick)
+    rows = []
+    for ctx in contexts:
+        k, v = _kv(b, ctx, hkv, dh, seed=ctx)
+        q = jax.random.normal(_key(5), (b, h, dh), jnp.bfloat16)
+        lengths = jnp.full((b,), ctx, jnp.int32)
+        kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
+        plan = api.fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas")
+        fp4_bytes = nbytes(kc, vc)
+        run = functools.partial(run_stage, config=plan.config, interpret=plan.interpret)
+        # The "full" stage is the production kernel: the same numbers as the api.
+        want = api.fp4_decode_attention(q, kc, vc, lengths, backend="pallas")
+        got = run(q, kc, vc, lengths, stage="full")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        if err:
+            raise AssertionError(f"ablation 'full' differs from the api kernel by {err}")
+        base = {"shape": f"B{b} H{h} Hkv{hkv} Dh{dh} nvfp4", "context": ctx}
+        prev = None
+        for stage in STAGES:
+            try:
+                t = _time(quick, lambda *a, s=stage, r=run: r(*a, stage=s), q, kc, vc, lengths)
+            except Exception as e:  # a body Triton cannot lower must not lose the other rows
+                logging.exception("stage %s failed", stage)
+                rows.append({**base, "variant": f"fp4 {stage}", "error": repr(e)[:300]})
+                prev = None
+                continue
+            rows.append(
+                {
+                    **base,
+                    "variant": f"fp4 {stage}",
+                    "ms": 1e3 * t,
+                    **({} if prev is None else {"added_ms": 1e3 * (t - prev)}),
+                    "bandwidth_fraction_of_read": fp4_bytes / t / ceil["read_bw"],
+                }
+            )
+            prev = t
+            logging.info("%s", rows[-1])
+        t = _time(
+            quick, lambda *a: api.bf16_decode_attention(*a, backend="pallas"), q, k, v, lengths
+        )
+        bf16_bytes = nbytes(k, v)
+        rows.append(
+            {
+                **base,
+                "variant": "bf16 twin (full)",
+                "ms": 1e3 * t,
+                "bandwidth_fraction_of_read": bf16_bytes / t / ceil["read_bw"],
+            }
+        )
+        rows.append(
+            {
+                **base,
+                "variant": "read ceiling, FP4 bytes",
+                "ms": 1e3 * fp4_bytes / ceil["read_bw"],
+                "bandwidth_fraction_of_read": 1.0,
+            }
+        )
+    return rows, ceil
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    rows, ceil = bench(f.quick, [int(c) for c in f.contexts])
+    cols = ["shape", "context", "variant", "ms", "added_ms", "bandwidth_fraction_of_read"]
+    cols += ["error"] if any("error" in r for r in rows) else []
+    results_io.write_results(
+        f.name,
+        rows,
+        title="FP4 decode attention, cut down stage by stage",
+        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        notes=(
+            "Each fp4 row is the production launch with the kernel body cut after that stage "
+            "(module docstring of `experiments/decode_attention_ablation.py`); `added_ms`: over "
+            f"the row above. Read ceiling {ceil['read_bw'] / 1e9:.0f} GB/s, measured in this run."
+        ),
+        outdir=f.outdir,
+    )
+
+
+if __name__ == "__main__":
+    flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
+    flags.DEFINE_list("contexts", ["32768", "131072"], "context lengths")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "decode_attention_ablation", "result file stem")
+    app.run(main)
