@@ -25,6 +25,7 @@ heads, head_dim 128. Writes `<outdir>/decode_attention_ablation.{md,json}`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +77,21 @@ def _reduce(arrays, block_g: int) -> jax.Array:
     return jnp.full((block_g,), total, jnp.float32)
 
 
-def _load_body(len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor):
-    del load_kv, v_factor
+def _stage_body(parts: Callable) -> Callable:
+    """A kernel body with the production body's signature from `parts(block_s, block_g, dp,
+    n_planes, load_kv)` -> (init(kv_refs, qs), step(kv_refs, start, valid, qs, q_scale, carry),
+    finish(carry) -> m [block_g])."""
 
+    def body(len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor):
+        del v_factor
+        block_g, dp = refs[0].shape
+        init, step, finish = parts(block_s, block_g, dp, n_planes, load_kv)
+        _loop(len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, step, init, finish)
+
+    return body
+
+
+def _load_parts(block_s, block_g, dp, n_planes, load_kv):
     def init(kv_refs, qs):
         return tuple(jnp.zeros((block_s, *r.shape[1:]), r.dtype) for r in kv_refs)
 
@@ -89,27 +102,10 @@ def _load_body(len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_
             for a, x in zip(accs, rows, strict=True)
         )
 
-    block_g = refs[0].shape[0]
-    _loop(
-        len_ref,
-        q_scale_ref,
-        refs,
-        n_planes,
-        n_kv_refs,
-        chunk,
-        block_s,
-        step,
-        init,
-        lambda accs: _reduce(accs, block_g),
-    )
+    return init, step, lambda accs: _reduce(accs, block_g)
 
 
-def _decode_body(
-    len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor
-):
-    del v_factor
-    block_g, dp = refs[0].shape
-
+def _decode_parts(block_s, block_g, dp, n_planes, load_kv):
     def init(kv_refs, qs):
         planes = tuple(jnp.zeros((block_s, dp), qs[0].dtype) for _ in range(2 * n_planes))
         return planes, jnp.zeros((block_s,), jnp.float32)
@@ -122,26 +118,10 @@ def _decode_body(
             rows = rows if f is None else rows + f
         return planes, rows
 
-    _loop(
-        len_ref,
-        q_scale_ref,
-        refs,
-        n_planes,
-        n_kv_refs,
-        chunk,
-        block_s,
-        step,
-        init,
-        lambda c: _reduce((*c[0], c[1]), block_g),
-    )
+    return init, step, lambda c: _reduce((*c[0], c[1]), block_g)
 
 
-def _scores_body(
-    len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor
-):
-    del v_factor
-    block_g, dp = refs[0].shape
-
+def _scores_parts(block_s, block_g, dp, n_planes, load_kv):
     def init(kv_refs, qs):
         v_planes = tuple(jnp.zeros((block_s, dp), qs[0].dtype) for _ in range(n_planes))
         return jnp.full((block_g,), -jnp.inf, jnp.float32), v_planes, jnp.zeros((block_s,))
@@ -160,21 +140,16 @@ def _scores_body(
         rows = rows if v_scale is None else rows + v_scale
         return jnp.maximum(m, s.max(axis=1)), v_planes, rows
 
-    _loop(
-        len_ref,
-        q_scale_ref,
-        refs,
-        n_planes,
-        n_kv_refs,
-        chunk,
-        block_s,
-        step,
-        init,
-        lambda c: c[0] + _reduce((*c[1], c[2]), block_g) * 0.0,
-    )
+    # V's accumulators times 0 keep V's decode alive without changing m.
+    return init, step, lambda c: c[0] + _reduce((*c[1], c[2]), block_g) * 0.0
 
 
-BODIES = {"load": _load_body, "decode": _decode_body, "scores": _scores_body, "full": None}
+BODIES = {
+    "load": _stage_body(_load_parts),
+    "decode": _stage_body(_decode_parts),
+    "scores": _stage_body(_scores_parts),
+    "full": None,  # the production body
+}
 
 
 @functools.partial(jax.jit, static_argnames=("stage", "config", "interpret"))
