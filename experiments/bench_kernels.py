@@ -80,15 +80,18 @@ def ceilings(quick: bool) -> dict[str, float]:
 # spread the per-block work (NVFP4 has 256 blocks of 16 per row) and may lift NVFP4 from 8% of
 # copy bandwidth toward MXFP4's 31%; column tiles give 2-D tiles and 8-16x more programs (NVFP4
 # then reads each row once more for its global scale, inside the timed call).
+# (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
 QUANTIZE_LAUNCHES = (
-    (None, None, 4),
-    (1, None, 2),
-    (1, None, 8),
-    (2, None, 8),
-    (4, None, 8),
-    (8, 512, 4),
-    (4, 1024, 4),
-    (16, 256, 4),
+    (None, None, 4, None),
+    (1, None, 2, None),
+    (1, None, 8, None),
+    (2, None, 8, None),
+    (4, None, 8, None),
+    (8, 512, 4, None),
+    (4, 1024, 4, None),
+    (16, 256, 4, None),
+    (4, None, 4, 1024),
+    (8, None, 4, 512),
 )
 
 
@@ -99,7 +102,9 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
     rows, n = (256, 256) if quick else (65536, 4096)
     x = jax.random.normal(_key(2), (rows, n), jnp.bfloat16)
     t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
-    launches = (QUANTIZE_LAUNCHES[0], (2, 64, 4)) if quick else QUANTIZE_LAUNCHES
+    launches = (
+        (QUANTIZE_LAUNCHES[0], (2, 64, 4, None), (2, None, 4, 64)) if quick else QUANTIZE_LAUNCHES
+    )
     out = []
     for fmt in (fp4.NVFP4, fp4.MXFP4):
         ref = jax.jit(lambda a, f=fmt: fp4_quantize(a, f, backend="xla"))(x)
@@ -118,15 +123,17 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
             }
 
         sweep = []
-        for block_r, block_n, warps in launches:
-            if block_n is not None and block_n >= n:
+        for block_r, block_n, warps, loop_n in launches:
+            if (block_n or loop_n or 0) >= n:
                 continue
-            kw = dict(backend="pallas", block_r=block_r, block_n=block_n, num_warps=warps)
+            kw = dict(block_r=block_r, block_n=block_n, num_warps=warps, loop_n=loop_n)
+            kw["backend"] = "pallas"
             got = jax.jit(lambda a, f=fmt, kw=kw: fp4_quantize(a, f, **kw))(x)
             for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
                 np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
             t = _time(quick, lambda a, f=fmt, kw=kw: fp4_quantize(a, f, **kw), x)
             tile = f"b{block_r or 'default'}" + (f"x{block_n}" if block_n else "")
+            tile += f" loop{loop_n}" if loop_n else ""
             sweep.append(row("pallas", t, f"{tile} w{warps}"))
         best = min(sweep, key=lambda r: r["ms"])
         out += [{**r, "fastest": r is best} for r in sweep]

@@ -54,6 +54,7 @@ def fp4_quantize(
     block_r: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    loop_n: int | None = None,
     interpret: bool | None = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
@@ -63,8 +64,10 @@ def fp4_quantize(
     program and `block_n` columns per program (a power of two dividing N, a multiple of the block
     and of 8; below N the NVFP4 global scale is computed by XLA first). Default: rows wider than
     COLUMN_TILE in COLUMN_TILE_ROWS x COLUMN_TILE tiles (the fastest measured launch), narrower
-    rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `num_warps` per
-    program on the GPU.
+    rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `loop_n` (whole rows
+    only): each program walks its rows in column chunks of this width, the NVFP4 global scale
+    from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
+    the GPU.
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -76,7 +79,15 @@ def fp4_quantize(
         return quantize_capture_reference(x, fmt, guidance=guidance)
     _last_backend[0] = "pallas"
 
-    if block_n is None and block_r is None and n > COLUMN_TILE:
+    if loop_n is not None:
+        if block_n is not None and block_n < n:
+            raise ValueError("loop_n walks whole rows: give it without block_n")
+        if not (_is_pow2(loop_n) and n % loop_n == 0 and loop_n % max(fmt.block_size, 8) == 0):
+            raise ValueError(
+                f"loop_n={loop_n} must be a power of two dividing N={n} and a multiple of "
+                f"{max(fmt.block_size, 8)}"
+            )
+    elif block_n is None and block_r is None and n > COLUMN_TILE:
         block_n, block_r = COLUMN_TILE, COLUMN_TILE_ROWS
     if block_n is not None and block_n < n:
         if not (_is_pow2(block_n) and n % block_n == 0 and block_n % max(fmt.block_size, 8) == 0):
@@ -125,6 +136,7 @@ def fp4_quantize(
         num_warps=num_warps,
         block_n=block_n,
         s_g=s_g,
+        loop_n=loop_n,
     )
     # With column tiles the global scale is the one the kernel was given (guided: the rollout's).
     gsc = gsc[0] if gsc else (guide[2] if guide is not None else s_g)

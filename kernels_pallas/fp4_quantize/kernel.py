@@ -8,7 +8,10 @@ quantizer cannot drift apart. Bytes moved per element: read 2 (bf16) or 4 (f32);
 
 With `block_n < N` each program owns a `[block_r, block_n]` tile instead (a 2-D grid over rows and
 column tiles): more, smaller programs, at the price of the NVFP4 global scale being computed
-beforehand (one more read of the row, by XLA) and passed in.
+beforehand (one more read of the row, by XLA) and passed in. With `loop_n` a program keeps whole
+rows but walks them in column chunks, NVFP4's global scale from a first pass over the chunks (the
+second read of a row band of a few KB hits L2): the column tiles' small working set without the
+separate XLA pass.
 
 Triton lowering needs power-of-two tile shapes, so N must be a power of two (the API falls back to
 the XLA reference otherwise). A TPU (Mosaic) lowering would additionally need the row tile to be a
@@ -28,7 +31,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import common
 from trace_jax.fp4 import BlockFormat, GuidanceMode
 from trace_jax.fp4.quantize import Rounding, quantize_core
-from trace_jax.fp4.scales import global_scale
+from trace_jax.fp4.scales import global_scale_from_amax
 
 
 def _pack(values: jax.Array, per_byte: int) -> jax.Array:
@@ -52,7 +55,9 @@ def _unpack(packed: jax.Array, per_byte: int) -> jax.Array:
     return v.reshape(r, m * per_byte)
 
 
-def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, s_g_given: bool):
+def _kernel(
+    *refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, s_g_given: bool, loop_n: int | None
+):
     refs = list(refs)
     x_ref = refs.pop(0)
     sg_ref = refs.pop(0) if s_g_given else None
@@ -61,26 +66,43 @@ def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, s_g_given:
         refs = refs[3:]
     codes_ref, bits_ref, cbits_ref = refs[:3]
     gs_ref = refs[3] if len(refs) > 3 else None
-    x = x_ref[...].astype(jnp.float32)
+    n, bs = x_ref.shape[1], fmt.block_size
+    step = loop_n or n
+    # Column chunks of the program's tile, processed one after the other (one chunk: the whole
+    # tile at once); a second read of a chunk comes from L2, not HBM.
+    chunks = [(a, a + step) for a in range(0, n, step)]
+
+    def x_chunk(a, b):
+        return x_ref[:, a:b].astype(jnp.float32)
+
     s_g = None
     if fmt.has_global_scale:
-        s_g = sg_ref[...] if s_g_given else global_scale(x, fmt, (1,))
-    kwargs = {}
-    if guide_mode is not None:
-        payload = g_payload_ref[...]
-        if guide_mode is GuidanceMode.FULL:
-            kwargs["guide_codes"] = _unpack(payload, 2)
-        else:
-            kwargs["guide_bits"] = _unpack(payload, 8)
-        kwargs["guide_scale_bits"] = g_bits_ref[...]
-        kwargs["guide_global"] = g_gs_ref[...] if fmt.has_global_scale else None
+        if s_g_given:
+            s_g = sg_ref[...]
+        else:  # the row's max |x| over all chunks first
+            amax = None
+            for a, b in chunks:
+                m = jnp.max(jnp.abs(x_chunk(a, b)), axis=1, keepdims=True)
+                amax = m if amax is None else jnp.maximum(amax, m)
+            s_g = global_scale_from_amax(amax, fmt)
     rounding = Rounding.RTN if guide_mode is None else Rounding.GUIDED
-    codes, bits, s_g = quantize_core(x, fmt, s_g=s_g, rounding=rounding, **kwargs)
-    codes_ref[...] = _pack(codes, 2)
-    bits_ref[...] = bits
+    for a, b in chunks:
+        kwargs = {}
+        if guide_mode is not None:
+            if guide_mode is GuidanceMode.FULL:
+                kwargs["guide_codes"] = _unpack(g_payload_ref[:, a // 2 : b // 2], 2)
+            else:
+                kwargs["guide_bits"] = _unpack(g_payload_ref[:, a // 8 : b // 8], 8)
+            kwargs["guide_scale_bits"] = g_bits_ref[:, a // bs : b // bs]
+            kwargs["guide_global"] = g_gs_ref[...] if fmt.has_global_scale else None
+        codes, bits, s_g_out = quantize_core(
+            x_chunk(a, b), fmt, s_g=s_g, rounding=rounding, **kwargs
+        )
+        codes_ref[:, a // 2 : b // 2] = _pack(codes, 2)
+        bits_ref[:, a // bs : b // bs] = bits
+        cbits_ref[:, a // 8 : b // 8] = _pack(codes & 1, 8)
     if gs_ref is not None:
-        gs_ref[...] = s_g if s_g is not None else jnp.ones(gs_ref.shape, jnp.float32)
-    cbits_ref[...] = _pack(codes & 1, 8)
+        gs_ref[...] = s_g_out if s_g_out is not None else jnp.ones(gs_ref.shape, jnp.float32)
 
 
 def quantize_capture_pallas(
@@ -94,12 +116,15 @@ def quantize_capture_pallas(
     num_warps: int = 4,
     block_n: int | None = None,
     s_g: jax.Array | None = None,
+    loop_n: int | None = None,
 ):
     """Runs the kernel on `x [R, N]` (R a multiple of `block_r`).
 
     guide: (payload uint8 [R, N/2 or N/8], scale bits uint8 [R, NB], global float32 [R, 1]).
     block_n: columns per program (a power of two dividing N, a multiple of the block and of 8;
       None: whole rows). Below N, NVFP4 needs the rows' own global scales `s_g` float32 [R, 1].
+    loop_n: with whole rows, process each row band in column chunks of this width, one after
+      the other (NVFP4: a first pass over the chunks for the global scale); None: all at once.
     Returns (packed codes [R, N/2], scale bits [R, NB], compact bits [R, N/8], global [R, 1]);
     with column tiles the global scale is not an output (it is `s_g`, or the guidance's).
     """
@@ -137,7 +162,7 @@ def quantize_capture_pallas(
         out_shape.append(jax.ShapeDtypeStruct((r, 1), jnp.float32))
         out_specs.append(row_vec())
     return pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given),
+        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given, loop_n=loop_n),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,

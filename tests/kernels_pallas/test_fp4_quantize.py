@@ -119,3 +119,22 @@ def test_default_launch_tiles_wide_rows(fmt, monkeypatch):
         fp4_quantize(narrow, fmt, backend="pallas"), quantize_capture_reference(narrow, fmt)
     )
     assert launches == [(api.COLUMN_TILE_ROWS, 64), (min(16, api.TILE_ELEMENTS // 64), None)]
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", [None, "compact", "full"])
+def test_row_loop_matches_reference(fmt, mode):
+    # loop_n = 64 walks each 256-wide row in 4 chunks: the NVFP4 global scale must come from all
+    # of them (rows whose largest |x| sits in different chunks: _x scales rows by orders).
+    x = _x((6, 256), seed=13)
+    x = x.at[1, 200].set(50.0).at[2, 3].set(-70.0)
+    g = None
+    if mode is not None:
+        noise = jax.random.normal(jax.random.key(5), x.shape)
+        g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, loop_n=64)
+    _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    with pytest.raises(ValueError, match="loop_n"):
+        fp4_quantize(x, fmt, backend="pallas", loop_n=48)
+    with pytest.raises(ValueError, match="without block_n"):
+        fp4_quantize(x, fmt, backend="pallas", loop_n=64, block_n=128)

@@ -61,7 +61,11 @@ def normalize_global_axes(global_axes: tuple[int, ...] | None, ndim: int) -> tup
 
 def global_scale(x: jax.Array, fmt: BlockFormat, axes: tuple[int, ...]) -> jax.Array:
     """NVFP4 float32 global scale `amax / (6 * 448)` over `axes` (kept as size-1 dims)."""
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    return global_scale_from_amax(jnp.max(jnp.abs(x), axis=axes, keepdims=True), fmt)
+
+
+def global_scale_from_amax(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """`global_scale` from the max |x| already taken (e.g. over a row's column chunks)."""
     s_g = amax * np.float32(1.0 / (fmt.elem.max_value * _E4M3.max_value))
     s_g = jnp.where(amax > 0, jnp.maximum(s_g, _MIN_GLOBAL_SCALE), 1.0)
     return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
