@@ -71,9 +71,20 @@ def _kernel(
     # Column chunks of the program's tile, processed one after the other (one chunk: the whole
     # tile at once); a second read of a chunk comes from L2, not HBM.
     chunks = [(a, a + step) for a in range(0, n, step)]
+    whole = len(chunks) == 1  # the tile in one piece: plain whole-ref loads and stores, x read once
+    x_tile = x_ref[...].astype(jnp.float32) if whole else None
+
+    def cols(ref, a, b, per):  # columns [a, b) of x as columns of `ref` (`per` x-columns each)
+        return ref[...] if whole else ref[:, a // per : b // per]
+
+    def store(ref, a, b, per, value):
+        if whole:
+            ref[...] = value
+        else:
+            ref[:, a // per : b // per] = value
 
     def x_chunk(a, b):
-        return x_ref[:, a:b].astype(jnp.float32)
+        return x_tile if whole else cols(x_ref, a, b, 1).astype(jnp.float32)
 
     s_g = None
     if fmt.has_global_scale:
@@ -90,17 +101,17 @@ def _kernel(
         kwargs = {}
         if guide_mode is not None:
             if guide_mode is GuidanceMode.FULL:
-                kwargs["guide_codes"] = _unpack(g_payload_ref[:, a // 2 : b // 2], 2)
+                kwargs["guide_codes"] = _unpack(cols(g_payload_ref, a, b, 2), 2)
             else:
-                kwargs["guide_bits"] = _unpack(g_payload_ref[:, a // 8 : b // 8], 8)
-            kwargs["guide_scale_bits"] = g_bits_ref[:, a // bs : b // bs]
+                kwargs["guide_bits"] = _unpack(cols(g_payload_ref, a, b, 8), 8)
+            kwargs["guide_scale_bits"] = cols(g_bits_ref, a, b, bs)
             kwargs["guide_global"] = g_gs_ref[...] if fmt.has_global_scale else None
         codes, bits, s_g_out = quantize_core(
             x_chunk(a, b), fmt, s_g=s_g, rounding=rounding, **kwargs
         )
-        codes_ref[:, a // 2 : b // 2] = _pack(codes, 2)
-        bits_ref[:, a // bs : b // bs] = bits
-        cbits_ref[:, a // 8 : b // 8] = _pack(codes & 1, 8)
+        store(codes_ref, a, b, 2, _pack(codes, 2))
+        store(bits_ref, a, b, bs, bits)
+        store(cbits_ref, a, b, 8, _pack(codes & 1, 8))
     if gs_ref is not None:
         gs_ref[...] = s_g_out if s_g_out is not None else jnp.ones(gs_ref.shape, jnp.float32)
 
