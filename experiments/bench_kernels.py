@@ -95,6 +95,12 @@ QUANTIZE_LAUNCHES = (
 )
 
 
+def mark_fastest(rows: list[dict]) -> list[dict]:
+    """`rows` (timed launches of one op, `ms` each) with `fastest` True on the quickest only."""
+    best = min(range(len(rows)), key=lambda i: rows[i]["ms"])
+    return [{**r, "fastest": i == best} for i, r in enumerate(rows)]
+
+
 def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
     """Quantize + capture, Pallas (each launch of `QUANTIZE_LAUNCHES`, `launch`
     "b<block_r>[x<block_n>] w<warps>"; `fastest` marks the one the summary reports) and XLA, vs a
@@ -135,8 +141,7 @@ def bench_quantize(quick: bool, copy_bw: float) -> list[dict]:
             tile = f"b{block_r or 'default'}" + (f"x{block_n}" if block_n else "")
             tile += f" loop{loop_n}" if loop_n else ""
             sweep.append(row("pallas", t, f"{tile} w{warps}"))
-        best = min(sweep, key=lambda r: r["ms"])
-        out += [{**r, "fastest": r is best} for r in sweep]
+        out += mark_fastest(sweep)
         out.append(row("xla", _time(quick, lambda a, f=fmt: fp4_quantize(a, f, backend="xla"), x)))
         logging.info("%s", out[-len(sweep) - 1 :])
     return out

@@ -232,6 +232,8 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
 def main(argv):
     del argv
     f = flags.FLAGS
+    if not f.contexts or not all(c.isdigit() and int(c) > 0 for c in f.contexts):
+        raise app.UsageError(f"--contexts must be positive integers, got {f.contexts}")
     rows, ceil = bench(f.quick, [int(c) for c in f.contexts])
     cols = ["shape", "context", "variant", "ms", "added_ms", "bandwidth_fraction_of_read"]
     cols += ["error"] if any("error" in r for r in rows) else []

@@ -28,7 +28,9 @@ One `small` run leaves an H200 mostly idle. With `grouped_matmul="ragged_dot"` (
 step) three runs per GPU took 1.0-1.7 s per GRPO step each and five ran out of memory
 (`results/runs/table1_nvfp4/README.md`); with "auto" (2026-11-30, `trace`, from random init) one
 run alone takes 0.77 s per step, six per GPU 3.1-3.6 s each (1.8 steps/s in all), and nine ran
-out of memory (141 GiB in use).
+out of memory (141 GiB in use): N copies of `python -m experiments.rl_step_time
+--config=configs/small_gpu.py --methods=trace --steps=14 --skip=4` started together on one GPU of
+an nvidia-h200-x2 host (six on GPU 0, nine on GPU 1), with on-demand GPU memory.
 """
 
 from __future__ import annotations

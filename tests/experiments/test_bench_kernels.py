@@ -26,3 +26,10 @@ def test_bench_kernels_quick(tmp_path):
         pallas = [r for r in quantize if r["format"] == fmt and r["backend"] == "pallas"]
         assert len(pallas) >= 2 and sum(r["fastest"] for r in pallas) == 1
         assert frac == max(r["bandwidth_fraction_of_copy"] for r in pallas)
+
+
+def test_mark_fastest_marks_the_quickest_launch_only():
+    rows = [{"launch": "a", "ms": 2.0}, {"launch": "b", "ms": 0.5}, {"launch": "c", "ms": 0.9}]
+    marked = bench_kernels.mark_fastest(rows)
+    assert [r["fastest"] for r in marked] == [False, True, False]
+    assert [r["launch"] for r in marked] == ["a", "b", "c"]
