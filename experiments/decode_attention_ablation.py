@@ -16,7 +16,9 @@ different body:
           the row factors and the running max; V still only decoded and accumulated;
   full    the production kernel (online softmax, p . v).
 
-Differences between consecutive rows are what each part adds (approximately: the accumulation
+Then `load` and `full` again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`:
+the programs reading one slot's strided scale pieces run together). Differences between
+consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
 bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
 heads, head_dim 128. Writes `<outdir>/decode_attention_ablation.{md,json}`.
@@ -24,6 +26,7 @@ heads, head_dim 128. Writes `<outdir>/decode_attention_ablation.{md,json}`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -40,15 +43,19 @@ from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 
 STAGES = ("load", "decode", "scores", "full")
+# Stages timed again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`).
+HEADS_INNER_STAGES = ("load", "full")
 
 
-def _loop(len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, step, init, finish):
+def _loop(
+    len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, split_axis, step, init, finish
+):
     """The production kernel's split loop around `step(i, start, valid, qs, q_scale, carry)`;
     `finish(carry)` -> m [block_g] float32, written with zero accumulators and unit sums."""
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
     length = len_ref[()]
-    chunk_start = pl.program_id(2) * chunk
+    chunk_start = pl.program_id(split_axis) * chunk
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
     qs = [r[...] for r in q_refs]
     q_scale = q_scale_ref[...][:, None]
@@ -82,11 +89,34 @@ def _stage_body(parts: Callable) -> Callable:
     n_planes, load_kv)` -> (init(kv_refs, qs), step(kv_refs, start, valid, qs, q_scale, carry),
     finish(carry) -> m [block_g])."""
 
-    def body(len_ref, q_scale_ref, *refs, load_kv, n_planes, n_kv_refs, block_s, chunk, v_factor):
+    def body(
+        len_ref,
+        q_scale_ref,
+        *refs,
+        load_kv,
+        n_planes,
+        n_kv_refs,
+        block_s,
+        chunk,
+        v_factor,
+        split_axis,
+    ):
         del v_factor
         block_g, dp = refs[0].shape
         init, step, finish = parts(block_s, block_g, dp, n_planes, load_kv)
-        _loop(len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, step, init, finish)
+        _loop(
+            len_ref,
+            q_scale_ref,
+            refs,
+            n_planes,
+            n_kv_refs,
+            chunk,
+            block_s,
+            split_axis,
+            step,
+            init,
+            finish,
+        )
 
     return body
 
@@ -186,25 +216,35 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
         if err:
             raise AssertionError(f"ablation 'full' differs from the api kernel by {err}")
         base = {"shape": f"B{b} H{h} Hkv{hkv} Dh{dh} nvfp4", "context": ctx}
+        inner = functools.partial(
+            run_stage,
+            config=dataclasses.replace(plan.config, kv_heads_inner=True),
+            interpret=plan.interpret,
+        )
+        got = inner(q, kc, vc, lengths, stage="full")
+        if err := float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))):
+            raise AssertionError(f"kv-heads-inner 'full' differs from the api kernel by {err}")
+        variants = [(f"fp4 {s}", s, run, True) for s in STAGES]
+        variants += [(f"fp4 {s}, kv heads inner", s, inner, False) for s in HEADS_INNER_STAGES]
         prev = None
-        for stage in STAGES:
+        for name, stage, fn, chained in variants:
             try:
-                t = _time(quick, lambda *a, s=stage, r=run: r(*a, stage=s), q, kc, vc, lengths)
+                t = _time(quick, lambda *a, s=stage, r=fn: r(*a, stage=s), q, kc, vc, lengths)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
-                logging.exception("stage %s failed", stage)
-                rows.append({**base, "variant": f"fp4 {stage}", "error": repr(e)[:300]})
+                logging.exception("%s failed", name)
+                rows.append({**base, "variant": name, "error": repr(e)[:300]})
                 prev = None
                 continue
             rows.append(
                 {
                     **base,
-                    "variant": f"fp4 {stage}",
+                    "variant": name,
                     "ms": 1e3 * t,
-                    **({} if prev is None else {"added_ms": 1e3 * (t - prev)}),
+                    **({"added_ms": 1e3 * (t - prev)} if chained and prev else {}),
                     "bandwidth_fraction_of_read": fp4_bytes / t / ceil["read_bw"],
                 }
             )
-            prev = t
+            prev = t if chained else None
             logging.info("%s", rows[-1])
         t = _time(
             quick, lambda *a: api.bf16_decode_attention(*a, backend="pallas"), q, k, v, lengths

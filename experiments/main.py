@@ -441,15 +441,20 @@ def run(cfg, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 "time_train_s": t3 - t2 - blocked["write_wait"] - blocked["read"],
             }
             history.append(log.write(step, row))
+            chunk_end = stop_after is not None and step + 1 - start >= stop_after
             ckpt.save(
                 step,
                 args=ocp.args.StandardSave(
                     {"model": nnx.state(model, nnx.Param), "opt": nnx.state(optimizer)}
                 ),
+                # The final policy and a chunk's last step are always saved: `checkpoint_every`
+                # alone skips them (steps 0..99 every 25 ends at 75, and a resumed chunk would
+                # redo the steps after its last multiple).
+                force=step == rl.steps - 1 or chunk_end,
             )
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
                 _evaluate(model, cfg, parts.setup, step, workdir)
-            if stop_after is not None and step + 1 - start >= stop_after:
+            if chunk_end:
                 break
     ckpt.wait_until_finished()
     _plot(workdir)

@@ -85,6 +85,23 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, uninterrupted):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.xdist_group("uninterrupted_run")
+def test_chunk_end_and_final_step_are_saved_whatever_checkpoint_every(tmp_path, uninterrupted):
+    """With `checkpoint_every` 5 > steps, only step 0 is a multiple: a chunk still resumes after
+    its own last step (nothing redone) and the run ends with its final policy saved."""
+    cfg = _cfg()
+    cfg.rl.checkpoint_every = 5
+    workdir = str(tmp_path / "sparse")
+    first = rl_main.run(cfg, workdir, stop_after=2)
+    assert rl_main._checkpointer(workdir, 5).latest_step() == 1
+    rest = rl_main.run(cfg, workdir)
+    assert [h["step"] for h in first + rest] == [0, 1, 2]
+    assert rl_main._checkpointer(workdir, 5).latest_step() == 2
+    _, full = uninterrupted
+    for a, b in zip(full, first + rest, strict=True):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
+
+
 def test_mini_batches_train_stale_versions_through_the_store(tmp_path):
     """With M = 2 mini-batches, each rollout batch makes two optimizer steps; mini-batch m reads
     its own guidance entry, written by policy version v0 = 2 * step, as version v0 + m (1 stale),

@@ -217,6 +217,30 @@ def test_reference_matches_per_head_loop():
             np.testing.assert_allclose(out[b, h], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
+def test_kv_heads_inner_grid_order_changes_nothing(fmt):
+    """The grid with the kv heads innermost runs the same programs in another order: bit for bit
+    the output of the default order (several splits, ragged lengths, two kv heads)."""
+    case = CASES["ragged_three_splits"]
+    q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=11)
+    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
+    if fmt is None:
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        plan = bf16_decode_attention_plan(q, k, v, lengths, **tiling)
+        op, args = kernel.bf16_decode_attention_pallas, (q, k, v, lengths)
+    else:
+        kc, vc = _packed(k, fmt), _packed(v, fmt)
+        plan = fp4_decode_attention_plan(q, kc, vc, lengths, **tiling)
+        op, args = kernel.fp4_decode_attention_pallas, (q, kc, vc, lengths)
+    assert plan.config.k_splits(case.slots) == 3 and not plan.config.kv_heads_inner
+    inner = dataclasses.replace(plan.config, kv_heads_inner=True)
+    want = op(*args, config=plan.config, interpret=True)
+    got = op(*args, config=inner, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref = _fp4_ref(*args) if fmt is not None else _bf16_ref(*args)
+    _close(got, ref, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_kernel_decode_equals_cache_read(fmt):
     """The kernel's FP8-aligned nibble planes, times their scales and 2**6, interleaved, give the
@@ -364,8 +388,9 @@ def test_bad_options_and_bf16_inputs_raise():
         (fp4.NVFP4, "f16"),
         (fp4.MXFP4, "f16"),
         (None, None),
+        (fp4.NVFP4, "f16/heads_inner"),
     ],
-    ids=["nvfp4_e4m3", "mxfp4_e4m3", "nvfp4_f16", "mxfp4_f16", "bf16_cache"],
+    ids=["nvfp4_e4m3", "mxfp4_e4m3", "nvfp4_f16", "mxfp4_f16", "bf16_cache", "nvfp4_heads_inner"],
 )
 def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt, decode):
     """The kernel body lowers to Triton IR (power-of-two tensors, supported primitives) for an
@@ -381,8 +406,13 @@ def test_lowers_through_triton_without_a_gpu(monkeypatch, fmt, decode):
     b, s, hkv, g, dh = 2, 1000, 8, 4, 128
     q = jax.ShapeDtypeStruct((b, hkv * g, dh), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    decode, _, order = (decode or kernel.DEFAULT_DECODE).partition("/")
     config = kernel.BlockConfig(
-        block_s=DEFAULT_BLOCK_S, chunk=128, block_g=16, decode=decode or kernel.DEFAULT_DECODE
+        block_s=DEFAULT_BLOCK_S,
+        chunk=128,
+        block_g=16,
+        decode=decode,
+        kv_heads_inner=order == "heads_inner",
     )
     if fmt is None:
         cache = jax.ShapeDtypeStruct((b, s, hkv, dh), jnp.bfloat16)
