@@ -47,14 +47,21 @@ from trace_jax.rl.evaluate import evaluate_pass_at_1
 
 
 def load_policy(cfg, path: str):
-    """A policy from an RL workdir (its latest `rl_checkpoints` step) or from saved params."""
+    """A policy from an RL workdir (its final step's checkpoint: anything else is refused) or
+    from saved params."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no policy at {path} (an RL workdir or saved params)")
     if os.path.isdir(os.path.join(path, "rl_checkpoints")):
-        parts = rl_main.prepare(cfg)
         mngr = rl_main._checkpointer(path, 1)
+        if (step := mngr.latest_step()) != cfg.rl.steps - 1:
+            raise ValueError(
+                f"{path}: the latest checkpoint is step {step}, not the final step "
+                f"{cfg.rl.steps - 1}: the run is unfinished (or trained before the final step "
+                "was always saved); its final policy cannot be evaluated"
+            )
+        parts = rl_main.prepare(cfg)
         abstract = {"model": nnx.state(parts.model, nnx.Param), "opt": nnx.state(parts.optimizer)}
-        restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
         nnx.update(parts.model, restored["model"])
         return parts.model
     model = init_model(sft.model_config(cfg), seed=cfg.seed)

@@ -10,7 +10,7 @@ tar --exclude=./.venv --exclude=./.git --exclude=./workdir -cf - . | tar -xf - -
 cd "$S/repo" || exit 1
 nvidia-smi -L 2>/dev/null; date -u
 setsid bash -c "echo \$\$ > $S/session.pid; exec $PY -m experiments.table_session \
-  --tables=$TABLES --root=$S/tables --per_gpu=${PER_GPU:-5} --deadline_s=${DEADLINE:-1500} \
+  --tables=$TABLES --root=$S/tables --per_gpu=${PER_GPU:-5} --deadline_s=${DEADLINE:-1250} \
   --bundle=$S/out/runs.tgz --extra=\"$EXTRA\"" > "$S/out/session.log" 2>&1 < /dev/null &
 sleep 2
 if [[ $TABLES == *table7_ptq* ]]; then

@@ -108,3 +108,14 @@ def test_average_is_over_the_benchmark_splits(monkeypatch):
     monkeypatch.setattr(ptq_table, "evaluate_pass_at_1", lambda *a, **k: next(scores))
     row = ptq_table._scores(cfg, None, None, None)
     assert row["level1"] == 0.9 and row["average"] == pytest.approx(0.3)
+
+
+def test_a_policy_short_of_its_final_step_is_refused(tmp_path):
+    """The table's policies are final: a run stopped after 1 of its 2 steps is refused, named."""
+    cfg = tiny_cpu.get_config()
+    cfg.rl.update(
+        steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0, mismatch_every=0
+    )
+    rl_main.run(cfg, str(tmp_path / "run"), stop_after=1)
+    with pytest.raises(ValueError, match="latest checkpoint is step 0, not the final step 1"):
+        ptq_table.load_policy(cfg, str(tmp_path / "run"))
