@@ -14,7 +14,8 @@ different body:
           production), accumulated with one float16 add per element;
   scores  + q . k on the tensor cores (with the register-to-dot-operand layout conversion of K),
           the row factors and the running max; V still only decoded and accumulated;
-  full    the production kernel (online softmax, p . v).
+  softmax + the online softmax (rescale, exp, sums, V's row factors on p); p summed, not used;
+  full    the production kernel (+ p . v, with V's layout conversion to a dot operand).
 
 Then `load` and `full` again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`:
 the programs reading one slot's strided scale pieces run together). Differences between
@@ -42,7 +43,7 @@ from kernels_pallas.fp4_decode_attention import api
 from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 
-STAGES = ("load", "decode", "scores", "full")
+STAGES = ("load", "decode", "scores", "softmax", "full")
 # Stages timed again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`).
 HEADS_INNER_STAGES = ("load", "full")
 
@@ -174,10 +175,47 @@ def _scores_parts(block_s, block_g, dp, n_planes, load_kv):
     return init, step, lambda c: c[0] + _reduce((*c[1], c[2]), block_g) * 0.0
 
 
+def _softmax_parts(block_s, block_g, dp, n_planes, load_kv):
+    """`scores` plus the production body's online softmax (running max, rescale, exp, sums and
+    the probabilities scaled by V's row factors); p is summed instead of multiplied into V."""
+
+    def init(kv_refs, qs):
+        v_planes = tuple(jnp.zeros((block_s, dp), qs[0].dtype) for _ in range(n_planes))
+        m = jnp.full((block_g,), -jnp.inf, jnp.float32)
+        return m, jnp.zeros((block_g,), jnp.float32), jnp.zeros((block_g,), jnp.float32), v_planes
+
+    def step(kv_refs, start, valid, qs, q_scale, carry):
+        m, total, p_sum, v_planes = carry
+        ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
+        s = sum(
+            jnp.dot(q, k.T, precision=K._PRECISION, preferred_element_type=jnp.float32)
+            for q, k in zip(qs, ks, strict=True)
+        )
+        if k_scale is not None:
+            s = s * k_scale[None, :]
+        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        total = alpha * total + p.sum(axis=1)
+        if v_scale is not None:
+            p = p * (v_scale / jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny))[None, :]
+        p_sum = alpha * p_sum + p.astype(vs[0].dtype).astype(jnp.float32).sum(axis=1)
+        v_planes = tuple(a + x for a, x in zip(v_planes, vs, strict=True))
+        return m_new, total, p_sum, v_planes
+
+    def finish(c):
+        m, total, p_sum, v_planes = c
+        return m + (total + p_sum + _reduce(v_planes, block_g)) * 0.0
+
+    return init, step, finish
+
+
 BODIES = {
     "load": _stage_body(_load_parts),
     "decode": _stage_body(_decode_parts),
     "scores": _stage_body(_scores_parts),
+    "softmax": _stage_body(_softmax_parts),
     "full": None,  # the production body
 }
 
