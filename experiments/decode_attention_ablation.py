@@ -160,13 +160,7 @@ def _scores_parts(block_s, block_g, dp, n_planes, load_kv):
     def step(kv_refs, start, valid, qs, q_scale, carry):
         m, v_planes, rows = carry
         ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
-        s = sum(
-            jnp.dot(q, k.T, precision=K._PRECISION, preferred_element_type=jnp.float32)
-            for q, k in zip(qs, ks, strict=True)
-        )
-        if k_scale is not None:
-            s = s * k_scale[None, :]
-        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
+        s = K.block_scores(qs, ks, k_scale, valid, q_scale)
         v_planes = tuple(a + x for a, x in zip(v_planes, vs, strict=True))
         rows = rows if v_scale is None else rows + v_scale
         return jnp.maximum(m, s.max(axis=1)), v_planes, rows
@@ -187,20 +181,10 @@ def _softmax_parts(block_s, block_g, dp, n_planes, load_kv):
     def step(kv_refs, start, valid, qs, q_scale, carry):
         m, total, p_sum, v_planes = carry
         ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
-        s = sum(
-            jnp.dot(q, k.T, precision=K._PRECISION, preferred_element_type=jnp.float32)
-            for q, k in zip(qs, ks, strict=True)
-        )
-        if k_scale is not None:
-            s = s * k_scale[None, :]
-        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        total = alpha * total + p.sum(axis=1)
-        if v_scale is not None:
-            p = p * (v_scale / jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny))[None, :]
-        p_sum = alpha * p_sum + p.astype(vs[0].dtype).astype(jnp.float32).sum(axis=1)
+        s = K.block_scores(qs, ks, k_scale, valid, q_scale)
+        m_new, alpha, p, total = K.online_softmax_step(m, total, s)
+        p, pv_scale = K.weight_by_v_rows(p, v_scale, vs[0].dtype)
+        p_sum = alpha * p_sum + pv_scale * p.astype(jnp.float32).sum(axis=1)
         v_planes = tuple(a + x for a, x in zip(v_planes, vs, strict=True))
         return m_new, total, p_sum, v_planes
 

@@ -191,6 +191,39 @@ def decode_fp4_planes_f16(
 LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
 
 
+def block_scores(qs, ks, k_scale, valid, q_scale) -> jax.Array:
+    """Scores [block_g, block_s] float32 of one block: the planes' q . k, K's row factors, the
+    query rows' scales; -inf where the slot is not `valid`."""
+    s = sum(
+        jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
+        for q, k in zip(qs, ks, strict=True)
+    )
+    if k_scale is not None:
+        s = s * k_scale[None, :]
+    return jnp.where(valid[None, :], s * q_scale, -jnp.inf)
+
+
+def online_softmax_step(m, total, s):
+    """Running max `m` and sum `total` [block_g] updated by block scores `s` -> (new max, the old
+    terms' rescale alpha, probabilities p [block_g, block_s] float32, new sum)."""
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    return m_new, alpha, p, alpha * total + p.sum(axis=1)
+
+
+def weight_by_v_rows(p, v_scale, dtype):
+    """p times V's row factors (none: unchanged), in `dtype` for the p . v dot, and the factor
+    taken out to be put back on the dot's result."""
+    pv_scale = 1.0
+    if v_scale is not None:
+        # Divided by the block's largest row factor the weights stay in [0, 1], so a float16 p
+        # neither overflows nor loses range.
+        pv_scale = jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny)
+        p = p * (v_scale / pv_scale)[None, :]
+    return p.astype(dtype), pv_scale
+
+
 def _flash_decode_kernel(
     len_ref,
     q_scale_ref,
@@ -224,24 +257,9 @@ def _flash_decode_kernel(
         start = chunk_start + i * block_s
         valid = start + jnp.arange(block_s, dtype=jnp.int32) < length  # [block_s]
         ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
-        s = sum(
-            jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
-            for q, k in zip(qs, ks, strict=True)
-        )
-        if k_scale is not None:
-            s = s * k_scale[None, :]
-        s = jnp.where(valid[None, :], s * q_scale, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        total = alpha * total + p.sum(axis=1)
-        pv_scale = 1.0
-        if v_scale is not None:
-            # Row factors of V weight the probabilities; divided by the block's largest they stay
-            # in [0, 1], so a float16 p neither overflows nor loses range.
-            pv_scale = jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny)
-            p = p * (v_scale / pv_scale)[None, :]
-        p = p.astype(vs[0].dtype)
+        s = block_scores(qs, ks, k_scale, valid, q_scale)
+        m_new, alpha, p, total = online_softmax_step(m, total, s)
+        p, pv_scale = weight_by_v_rows(p, v_scale, vs[0].dtype)
         accs = tuple(
             alpha[:, None] * acc
             + pv_scale * jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
