@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
@@ -44,6 +45,9 @@ from trace_jax import tasks
 from trace_jax.models import init_model
 from trace_jax.quant import QuantConfig, SiteMode, ptq
 from trace_jax.rl.evaluate import evaluate_pass_at_1
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 
 def load_policy(cfg, path: str):
@@ -180,6 +184,31 @@ def seed_rows(
     return rows
 
 
+def plot(rows: Sequence[dict], path: str) -> None:
+    """pass@1 x100 per benchmark split and their average: one group of bars per split, one bar
+    per policy (mean over seeds, sample std as error bar, each seed a dot). `rows` as written by
+    `run` (with `<key>_seeds`)."""
+    keys = [k for k in (*paper_table.BENCHMARK_SPLITS, "average") if f"{k}_seeds" in rows[0]]
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(keys), 3.8))
+    for i, row in enumerate(rows):
+        x = np.arange(len(keys)) + (i - (len(rows) - 1) / 2) * width
+        mean = [100 * row[k] for k in keys]
+        std = [100 * np.nan_to_num(row[f"{k}_std"]) for k in keys]
+        ax.bar(x, mean, width, yerr=std, capsize=2, color=f"C{i}", label=row["policy"])
+        for xi, k in zip(x, keys, strict=True):
+            seeds = [100 * v for v in row[f"{k}_seeds"]]
+            ax.plot([xi] * len(seeds), seeds, ".", color="k", ms=3)
+    lo = min(100 * v for r in rows for k in keys for v in r[f"{k}_seeds"])
+    ax.set(xticks=np.arange(len(keys)), xticklabels=keys, ylabel="pass@1 x100", ylim=(lo - 8, None))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("Table 7 analog: post-training FP4 quantization vs TRACE", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(
     cfg,
     *,
@@ -218,7 +247,8 @@ def run(
         f"temperature {cfg.eval.temperature}), mean over {len(per_seed)} training seeds "
         "(`average_std`: sample std over seeds; every split's std and per-seed values are in the "
         f"JSON); H-Scale calibrated on {calibration_prompts} training prompts; weight_sq_error: "
-        "summed squared error of the routed-expert weights."
+        "summed squared error of the routed-expert weights.\n\n"
+        f"![pass@1 by policy]({name}.png)"
     )
     results_io.write_results(
         name,
@@ -228,12 +258,19 @@ def run(
         notes=notes,
         outdir=outdir,
     )
+    plot(rows, os.path.join(outdir, f"{name}.png"))
     return rows
 
 
 def main(argv):
     del argv
     f = flags.FLAGS
+    if f.plot_from:  # the PNG again from a written table (its policies may be gone)
+        with open(f.plot_from) as fh:
+            plot(json.load(fh)["rows"], os.path.splitext(f.plot_from)[0] + ".png")
+        return
+    if not f.config or not f.bf16_policy:
+        raise app.UsageError("--config and --bf16_policy are required (or --plot_from)")
     run(
         f.config,
         bf16_policies=f.bf16_policy,
@@ -255,5 +292,5 @@ if __name__ == "__main__":
     flags.DEFINE_string("name", "table7_ptq", "result file stem")
     flags.DEFINE_list("gpus", [], "evaluate the seeds in parallel, seed k on gpus[k % len(gpus)]")
     flags.DEFINE_integer("worker_seed", -1, "internal: evaluate this seed only (a --gpus worker)")
-    flags.mark_flags_as_required(["config", "bf16_policy"])
+    flags.DEFINE_string("plot_from", "", "only redraw <table>.png from this written <table>.json")
     app.run(main)

@@ -54,6 +54,7 @@ def test_ptq_table_rows(tmp_path):
     saved = json.loads((tmp_path / "out" / "t7.json").read_text())
     assert len(saved["rows"]) == 5
     assert "Table 7 analog" in (tmp_path / "out" / "t7.md").read_text()
+    assert (tmp_path / "out" / "t7.png").read_bytes()[:4] == b"\x89PNG"  # the bar chart
     with pytest.raises(ValueError, match="one TRACE policy per seed"):
         ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])
 

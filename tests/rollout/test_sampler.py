@@ -115,8 +115,10 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
             assert ga.mode is fp4.GuidanceMode.COMPACT
             for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
                 u, v = np.asarray(u)[b, p], np.asarray(v)[0, p]
-                if u.dtype == np.float32:  # global scales: batch size moves the last bit
-                    np.testing.assert_allclose(u, v, rtol=1e-6)
+                if u.dtype == np.float32:
+                    # Global scales: the batch size changes the matmuls' summation order upstream,
+                    # a few to ~20 ulps (1.02e-6 seen once on a clean-clone run).
+                    np.testing.assert_allclose(u, v, rtol=4e-6)
                 else:
                     np.testing.assert_array_equal(u, v)
             assert (np.asarray(ga.payload)[b, ~p] == 0).all()
