@@ -112,11 +112,12 @@ def test_average_is_over_the_benchmark_splits(monkeypatch):
 
 
 def test_a_policy_short_of_its_final_step_is_refused(tmp_path):
-    """The table's policies are final: a run stopped after 1 of its 2 steps is refused, named."""
+    """The table's policies are final: a run whose latest checkpoint is step 0 of its 2 steps is
+    refused before anything is restored (the check reads the step only)."""
     cfg = tiny_cpu.get_config()
-    cfg.rl.update(
-        steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0, mismatch_every=0
-    )
-    rl_main.run(cfg, str(tmp_path / "run"), stop_after=1)
+    cfg.rl.steps = 2
+    mngr = rl_main._checkpointer(str(tmp_path / "run"), 1)
+    mngr.save(0, args=rl_main.ocp.args.StandardSave({"x": np.zeros(2)}))
+    mngr.wait_until_finished()
     with pytest.raises(ValueError, match="latest checkpoint is step 0, not the final step 1"):
         ptq_table.load_policy(cfg, str(tmp_path / "run"))
