@@ -209,6 +209,18 @@ def plot(rows: Sequence[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_from(path: str) -> str:
+    """Redraws `<table>.png` beside a written `<table>.json` (its policies may be gone); returns
+    the PNG's path."""
+    with open(path) as f:
+        rows = json.load(f).get("rows")
+    if not rows or "policy" not in rows[0] or "average_seeds" not in rows[0]:
+        raise ValueError(f"{path} is not a table written by experiments.ptq_table (no policy rows)")
+    out = os.path.splitext(path)[0] + ".png"
+    plot(rows, out)
+    return out
+
+
 def run(
     cfg,
     *,
@@ -265,9 +277,8 @@ def run(
 def main(argv):
     del argv
     f = flags.FLAGS
-    if f.plot_from:  # the PNG again from a written table (its policies may be gone)
-        with open(f.plot_from) as fh:
-            plot(json.load(fh)["rows"], os.path.splitext(f.plot_from)[0] + ".png")
+    if f.plot_from:
+        print(f"wrote {plot_from(f.plot_from)}")
         return
     if not f.config or not f.bf16_policy:
         raise app.UsageError("--config and --bf16_policy are required (or --plot_from)")

@@ -55,6 +55,13 @@ def test_ptq_table_rows(tmp_path):
     assert len(saved["rows"]) == 5
     assert "Table 7 analog" in (tmp_path / "out" / "t7.md").read_text()
     assert (tmp_path / "out" / "t7.png").read_bytes()[:4] == b"\x89PNG"  # the bar chart
+    (tmp_path / "out" / "t7.png").unlink()  # redrawn from the JSON alone
+    png = ptq_table.plot_from(str(tmp_path / "out" / "t7.json"))
+    assert png == str(tmp_path / "out" / "t7.png")
+    assert (tmp_path / "out" / "t7.png").exists()
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"run": "bf16"}]}))
+    with pytest.raises(ValueError, match="not a table written by"):
+        ptq_table.plot_from(str(tmp_path / "other.json"))
     with pytest.raises(ValueError, match="one TRACE policy per seed"):
         ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])
 
