@@ -13,20 +13,24 @@ times whole rollouts, side by side in one process:
   * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full).
 
 Each variant is compiled ahead of time (`jit(...).lower(...).compile()`); the reported time is the
-median of `--repeats` rollouts after one warm-up. Writes `<outdir>/<name>.{md,json}`.
+median of `--repeats` rollouts after one warm-up. Writes `<outdir>/<name>.{md,json,png}`.
 
   python -m experiments.decode_throughput                       # H200: `small`, batch 16
   python -m experiments.decode_throughput --quick               # CPU smoke run (tiny sizes)
+  python -m experiments.decode_throughput --plot_from=<name>.json   # redraw the PNG
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import matplotlib
 from absl import app, flags, logging
 from flax import nnx
 
@@ -36,6 +40,9 @@ from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import SiteMode
 from trace_jax.rl.methods import get_method
 from trace_jax.rollout import SamplingConfig, generate
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 # label -> (FP4 rollout?, kernel backend, capture: None | "method" (trace's sites) | "all")
 VARIANTS = {
@@ -114,6 +121,49 @@ def measure(cfg: ModelConfig, batch: int, prompt_len: int, lengths, variants, re
     return rows
 
 
+def latest_points(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """variant -> its rows by output length, the last row given for a (length, variant) winning
+    (a merged file lists its runs oldest first)."""
+    last = {(r["variant"], r["output_length"]): r for r in rows}
+    by_variant: dict[str, list[dict]] = {}
+    for (variant, _), row in sorted(last.items(), key=lambda kv: kv[0][1]):
+        by_variant.setdefault(variant, []).append(row)
+    return by_variant
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    """tokens/s against output length, one line per variant (left), and each variant's ratio to
+    the bf16 rollout of the same command (right); the latest measurement of each point."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, (variant, points) in enumerate(latest_points(rows).items()):
+        lengths = [r["output_length"] for r in points]
+        style = {"marker": "o", "color": f"C{i}", "label": variant}
+        left.plot(lengths, [r["tokens_per_s"] for r in points], **style)
+        ratio = [r for r in points if "speedup_vs_bf16" in r]
+        if ratio and variant != "bf16":
+            x = [r["output_length"] for r in ratio]
+            right.plot(x, [r["speedup_vs_bf16"] for r in ratio], **style)
+    right.axhline(1.0, color="k", lw=0.8, ls=":")
+    for ax, ylabel in ((left, "tokens / s"), (right, "throughput vs bf16 (same command)")):
+        ax.set(xlabel="output length (new tokens)", ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle("Rollout decode throughput vs output length", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_from(path: str) -> str:
+    """Redraws `<name>.png` beside a written `<name>.json`; returns the PNG's path."""
+    required = ("variant", "output_length", "tokens_per_s")
+    rows = results_io.rows_written_by(path, "experiments.decode_throughput", required)
+    out = os.path.splitext(path)[0] + ".png"
+    plot(rows, out)
+    return out
+
+
 def run(
     *, quick: bool, lengths, variants, outdir: str, name: str, batch: int, repeats: int
 ) -> list[dict]:
@@ -132,6 +182,7 @@ def run(
         "warm-up; compile time excluded. `+ compact`: TRACE's compact guidance at the deeper "
         "half's sites; `+ full`: full codes at every FP4 site."
         + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if quick else "")
+        + f"\n\n![tokens/s vs output length]({name}.png)"
     )
     results_io.write_results(
         name,
@@ -141,6 +192,7 @@ def run(
         notes=notes,
         outdir=outdir,
     )
+    plot(rows, os.path.join(outdir, f"{name}.png"))
     print(table)
     return rows
 
@@ -148,6 +200,9 @@ def run(
 def main(argv):
     del argv
     f = flags.FLAGS
+    if f.plot_from:
+        print(f"wrote {plot_from(f.plot_from)}")
+        return
     run(
         quick=f.quick,
         lengths=[int(x) for x in f.lengths],
@@ -167,4 +222,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("repeats", 2, "timed rollouts per variant (after one warm-up)")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "decode_throughput", "result file stem")
+    flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
     app.run(main)

@@ -212,10 +212,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
 def plot_from(path: str) -> str:
     """Redraws `<table>.png` beside a written `<table>.json` (its policies may be gone); returns
     the PNG's path."""
-    with open(path) as f:
-        rows = json.load(f).get("rows")
-    if not rows or "policy" not in rows[0] or "average_seeds" not in rows[0]:
-        raise ValueError(f"{path} is not a table written by experiments.ptq_table (no policy rows)")
+    rows = results_io.rows_written_by(path, "experiments.ptq_table", ("policy", "average_seeds"))
     out = os.path.splitext(path)[0] + ".png"
     plot(rows, out)
     return out

@@ -71,3 +71,14 @@ def write_results(
     with open(md_path, "w") as f:
         f.write(header + table + "\n" + (f"\n{notes}\n" if notes else ""))
     return {"json": json_path, "md": md_path}
+
+
+def rows_written_by(path: str, producer: str, required: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of a result JSON written by `producer` (a module name, for the error), checked
+    to carry the `required` keys in every row; a clear ValueError otherwise."""
+    with open(path) as f:
+        rows = json.load(f).get("rows")
+    missing = sorted({k for r in rows or [{}] for k in required if k not in r})
+    if not rows or missing:
+        raise ValueError(f"{path} is not a result written by {producer} (rows lack {missing})")
+    return rows

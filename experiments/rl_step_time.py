@@ -10,7 +10,8 @@ median per-step time of each phase over the steps after the first `--skip` (comp
 ratio of each method's step to the first method's reference, `--reference` (default: the last
 method, the plain FP4 rollout). The paper: TRACE's step takes +7.4% over plain FP4 rollout.
 With `--gpus`, each method's process also records its device's peak memory (`peak_memory_gib`,
-where the backend reports it: GPUs do, the CPU does not).
+where the backend reports it: GPUs do, the CPU does not). Writes `<outdir>/<name>.{md,json,png}`;
+`--plot_from=<name>.json` redraws the PNG alone.
 
 From a random initialization no row stops early, so every method samples full-length responses:
 equal work per step, which a side-by-side timing needs.
@@ -23,6 +24,7 @@ import os
 from collections.abc import Sequence
 
 import jax
+import matplotlib
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -31,6 +33,9 @@ from experiments import main as rl_main
 from experiments import results_io
 from experiments.gpu_workers import run_workers
 from experiments.metrics_log import read_rows
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
 MEMORY_FILE = "device_memory.json"
@@ -88,6 +93,45 @@ def run_method(cfg, workdir: str, method: str, steps: int, record_memory: bool =
             json.dump({"peak_bytes_in_use": int(stats["peak_bytes_in_use"])}, f)
 
 
+def plot(rows: Sequence[dict], path: str) -> None:
+    """One stacked bar per method: median rollout, guidance I/O (the write still committing and
+    the read, where logged) and training seconds of a GRPO step."""
+    parts = [("time_rollout_s", "rollout")]
+    if all(k in r for r in rows for k in GUIDANCE_IO_PARTS):
+        parts += [("time_guidance_write_s", "guidance write (waited for)")]
+        parts += [("time_guidance_read_s", "guidance read")]
+    else:
+        parts += [("time_guidance_io_s", "guidance I/O")]
+    parts += [("time_train_s", "training")]
+    fig, ax = plt.subplots(figsize=(7, 1.6 + 0.55 * len(rows)))
+    y = np.arange(len(rows))
+    left = np.zeros(len(rows))
+    for i, (key, label) in enumerate(parts):
+        width = np.array([r[key] for r in rows])
+        ax.barh(y, width, left=left, color=f"C{i}", label=label)
+        left += width
+    for yi, r in zip(y, rows, strict=True):
+        label = f" {r['time_step_s']:.3f} s ({r['step_vs_reference']:.2f}x)"
+        ax.text(left[yi], yi, label, va="center")
+    ax.set(yticks=y, yticklabels=[r["method"] for r in rows], xlabel="seconds per GRPO step")
+    ax.set_xlim(0, 1.3 * left.max())
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(parts))
+    ax.set_title("GRPO step time by phase (medians)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_from(path: str) -> str:
+    """Redraws `<name>.png` beside a written `<name>.json`; returns the PNG's path."""
+    required = ("method", *PHASES, "time_step_s", "step_vs_reference")
+    rows = results_io.rows_written_by(path, "experiments.rl_step_time", required)
+    out = os.path.splitext(path)[0] + ".png"
+    plot(rows, out)
+    return out
+
+
 def run(
     cfg,
     *,
@@ -125,7 +169,8 @@ def run(
         f"x {cfg.rl.group_size} samples of {cfg.rl.max_new_tokens} new tokens, "
         f"{cfg.rl.mini_batches} mini-batches; {steps} steps per method ({placement}), medians "
         f"over the steps after the first {skip} (compilation). `step_vs_reference`: step time "
-        f"over `{reference}`'s (paper: TRACE +7.4% over plain FP4 rollout)."
+        f"over `{reference}`'s (paper: TRACE +7.4% over plain FP4 rollout).\n\n"
+        f"![step time by phase]({name}.png)"
     )
     results_io.write_results(
         name,
@@ -135,6 +180,7 @@ def run(
         notes=notes,
         outdir=outdir,
     )
+    plot(rows, os.path.join(outdir, f"{name}.png"))
     print(results_io.markdown_table(rows, cols))
     return rows
 
@@ -142,6 +188,11 @@ def run(
 def main(argv):
     del argv
     f = flags.FLAGS
+    if f.plot_from:
+        print(f"wrote {plot_from(f.plot_from)}")
+        return
+    if f.config is None:
+        raise app.UsageError("--config is required (or --plot_from)")
     if f.worker_method:  # a subprocess of --gpus: one method's run, no report
         run_method(f.config, f.workdir, f.worker_method, f.steps, record_memory=True)
         return
@@ -170,5 +221,5 @@ if __name__ == "__main__":
     flags.DEFINE_string("worker_method", "", "internal: run this one method (a --gpus subprocess)")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "rl_step_time", "result file stem")
-    flags.mark_flags_as_required(["config"])
+    flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
     app.run(main)

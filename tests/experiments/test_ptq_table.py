@@ -60,7 +60,7 @@ def test_ptq_table_rows(tmp_path):
     assert png == str(tmp_path / "out" / "t7.png")
     assert (tmp_path / "out" / "t7.png").exists()
     (tmp_path / "other.json").write_text(json.dumps({"rows": [{"run": "bf16"}]}))
-    with pytest.raises(ValueError, match="not a table written by"):
+    with pytest.raises(ValueError, match=r"not a result written by experiments\.ptq_table"):
         ptq_table.plot_from(str(tmp_path / "other.json"))
     with pytest.raises(ValueError, match="one TRACE policy per seed"):
         ptq_table.run(cfg, bf16_policies=params, trace_policies=params[:1])

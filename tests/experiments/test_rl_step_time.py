@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import matplotlib.axes
 import numpy as np
 import pytest
 
@@ -60,6 +61,42 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
     assert qat["step_vs_reference"] == 1.0  # the last method is the reference
     assert "TRACE vs plain FP4" in (tmp_path / "out" / "st.md").read_text()
     assert "peak_memory_gib" not in trace  # not recorded (one process, no memory files)
+    assert (tmp_path / "out" / "st.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_stacks_each_methods_phases(tmp_path, monkeypatch):
+    rows = [
+        {"method": "trace", "time_rollout_s": 0.3, "time_guidance_io_s": 0.12,
+         "time_guidance_write_s": 0.08, "time_guidance_read_s": 0.04, "time_train_s": 0.33,
+         "time_step_s": 0.75, "step_vs_reference": 1.39},
+        {"method": "fp4_qat", "time_rollout_s": 0.31, "time_guidance_io_s": 0.0,
+         "time_guidance_write_s": 0.0, "time_guidance_read_s": 0.0, "time_train_s": 0.25,
+         "time_step_s": 0.56, "step_vs_reference": 1.0},
+    ]  # fmt: skip
+    (tmp_path / "st.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    bars = []
+    barh = matplotlib.axes.Axes.barh
+
+    def record(self, y, width, left=None, **kw):
+        bars.append((kw["label"], list(width), list(left)))
+        return barh(self, y, width, left=left, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", record)
+    png = rl_step_time.plot_from(str(tmp_path / "st.json"))
+    assert png == str(tmp_path / "st.png") and os.path.getsize(png) > 0
+    keys = ["time_rollout_s", "time_guidance_write_s", "time_guidance_read_s", "time_train_s"]
+    assert [b[1] for b in bars] == [[r[k] for r in rows] for k in keys]
+    lefts = np.cumsum([[0.0, 0.0], *[b[1] for b in bars[:-1]]], axis=0)
+    np.testing.assert_allclose([b[2] for b in bars], lefts)
+    # Rows without the write / read split (logged since 2026-11-30): one guidance I/O segment.
+    old = [{k: v for k, v in r.items() if k not in keys[1:3]} for r in rows]
+    (tmp_path / "old.json").write_text(json.dumps({"rows": old}))
+    bars.clear()
+    rl_step_time.plot_from(str(tmp_path / "old.json"))
+    assert [b[0] for b in bars] == ["rollout", "guidance I/O", "training"]
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"policy": "x"}]}))
+    with pytest.raises(ValueError, match=r"not a result written by experiments\.rl_step_time"):
+        rl_step_time.plot_from(str(tmp_path / "other.json"))
 
 
 def test_peak_memory_recorded_per_method_process(tmp_path, monkeypatch):
