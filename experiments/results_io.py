@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,16 +16,40 @@ import jax
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
-def provenance() -> dict[str, str]:
-    """Date, device and the exact command that produced a result."""
+GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def gpu_state() -> dict[str, str] | None:
+    """The first GPU's SM / memory clocks, temperature and power as `nvidia-smi` reports them
+    now, or None without one. Written beside timings because a hot GPU's lower SM clock slows
+    instruction-bound kernels while bandwidth-bound ones keep their speed (kernels_findings
+    item 13)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--id=0", f"--query-gpu={','.join(GPU_STATE_QUERY)}",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
+    return dict(zip(GPU_STATE_QUERY, values, strict=True)) if len(values) == 5 else None
+
+
+def provenance() -> dict[str, Any]:
+    """Date, device and the exact command that produced a result; on a GPU, its clocks,
+    temperature and power when the result was written (`gpu_state`)."""
     dev = jax.devices()[0]
-    return {
+    meta: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{dev.platform}: {getattr(dev, 'device_kind', str(dev))} x{jax.device_count()}",
         "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),
         "jax": jax.__version__,
         "host": platform.machine(),
     }
+    if dev.platform == "gpu" and (state := gpu_state()) is not None:
+        meta["gpu_state_at_write"] = state
+    return meta
 
 
 def _module_name() -> str:
@@ -66,8 +91,11 @@ def write_results(
     header = (
         f"# {title}\n\n"
         f"- Regenerate: `{meta['command']}`\n"
-        f"- Date: {meta['date']}; device: {meta['device']}; jax {meta['jax']}\n\n"
+        f"- Date: {meta['date']}; device: {meta['device']}; jax {meta['jax']}\n"
     )
+    if state := meta.get("gpu_state_at_write"):
+        header += "- GPU when written: " + ", ".join(f"{k} {v}" for k, v in state.items()) + "\n"
+    header += "\n"
     with open(md_path, "w") as f:
         f.write(header + table + "\n" + (f"\n{notes}\n" if notes else ""))
     return {"json": json_path, "md": md_path}
