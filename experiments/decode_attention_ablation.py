@@ -18,7 +18,9 @@ different body:
   full    the production kernel (+ p . v, with V's layout conversion to a dot operand).
 
 Then `load` and `full` again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`:
-the programs reading one slot's strided scale pieces run together). Differences between
+the programs reading one slot's strided scale pieces run together), and over a head-major copy
+of the cache ([B, Hkv, S, ...], made before timing: one program's rows contiguous, as the bf16
+twin's 256-byte rows nearly are), the same body and launch otherwise. Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
 bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
@@ -46,6 +48,13 @@ from trace_jax import fp4
 STAGES = ("load", "decode", "scores", "softmax", "full")
 # Stages timed again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`).
 HEADS_INNER_STAGES = ("load", "full")
+# Stages timed again over a head-major copy of the cache (`head_major`).
+HEAD_MAJOR_STAGES = ("load", "full")
+
+
+def head_major(cache):
+    """A packed cache's arrays [B, S, Hkv, ...] moved to [B, Hkv, S, ...] (a real copy)."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), cache)
 
 
 def _loop(
@@ -204,10 +213,13 @@ BODIES = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("stage", "config", "interpret"))
-def run_stage(q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bool) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("stage", "config", "interpret", "head_major"))
+def run_stage(
+    q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bool, head_major: bool = False
+) -> jax.Array:
     """The FP4 kernel's launch over the packed caches with `stage`'s body -> [B, H, Dh] (only
-    "full" is attention; the others return what keeps their work alive)."""
+    "full" is attention; the others return what keeps their work alive). `head_major`: the
+    caches come from `head_major(...)`."""
     return K._flash_decode(
         q,
         lengths=lengths,
@@ -215,6 +227,7 @@ def run_stage(q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bo
         interpret=interpret,
         name=f"fp4_decode_attn_{stage}",
         body=BODIES[stage],
+        head_major=head_major,
         **K.fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret),
     )
 
@@ -246,12 +259,21 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
         got = inner(q, kc, vc, lengths, stage="full")
         if err := float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))):
             raise AssertionError(f"kv-heads-inner 'full' differs from the api kernel by {err}")
-        variants = [(f"fp4 {s}", s, run, True) for s in STAGES]
-        variants += [(f"fp4 {s}, kv heads inner", s, inner, False) for s in HEADS_INNER_STAGES]
+        kh, vh = head_major(kc), head_major(vc)
+        by_heads = functools.partial(run, head_major=True)
+        got = by_heads(q, kh, vh, lengths, stage="full")
+        if err := float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))):
+            raise AssertionError(f"head-major 'full' differs from the api kernel by {err}")
+        caches = (kc, vc)
+        variants = [(f"fp4 {s}", s, run, caches, True) for s in STAGES]
+        variants += [(f"fp4 {s}, kv heads inner", s, inner, caches, False)
+                     for s in HEADS_INNER_STAGES]  # fmt: skip
+        variants += [(f"fp4 {s}, head-major cache", s, by_heads, (kh, vh), False)
+                     for s in HEAD_MAJOR_STAGES]  # fmt: skip
         prev = None
-        for name, stage, fn, chained in variants:
+        for name, stage, fn, (kx, vx), chained in variants:
             try:
-                t = _time(quick, lambda *a, s=stage, r=fn: r(*a, stage=s), q, kc, vc, lengths)
+                t = _time(quick, lambda *a, s=stage, r=fn: r(*a, stage=s), q, kx, vx, lengths)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 rows.append({**base, "variant": name, "error": repr(e)[:300]})

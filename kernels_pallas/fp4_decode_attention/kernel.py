@@ -343,11 +343,15 @@ def _flash_decode(
     interpret: bool,
     name: str,
     body: Callable | None = None,
+    head_major: bool = False,
 ) -> jax.Array:
     """q [B, H, Dh]; each kv array [B, S, Hkv, ...] (rows per slot and kv head) -> [B, H, Dh].
 
     `body`: the kernel body (default `_flash_decode_kernel`; the decode-attention ablation in
     `experiments/` passes cut-down bodies with the same refs to time the kernel's parts).
+    `head_major`: the kv arrays are [B, Hkv, S, ...] instead, so that one program's rows are
+    contiguous (the caches here are slot-major; the ablation times this layout to see what the
+    slot-major strides cost). The kernel body sees the same [S, ...] refs either way.
 
     With `n_planes` = 2 the kernel sees the head dim as even and odd planes (FP4 rows decode that
     way without an interleave); the output planes are interleaved back here. K and V values come
@@ -357,6 +361,8 @@ def _flash_decode(
     """
     b, h, dh = q.shape
     s, hkv = kv_arrays[0].shape[1:3]
+    if head_major:
+        hkv, s = s, hkv
     g = h // hkv
     bg = config.block_g
     k_splits = config.k_splits(s)
@@ -384,8 +390,10 @@ def _flash_decode(
         spec = pl.BlockSpec
 
     def kv_spec(a):
-        rest = a.shape[3:]
-        return spec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *(0 for _ in rest)))
+        rest, zeros = a.shape[3:], (0,) * (a.ndim - 3)
+        if head_major:
+            return spec((sq, sq, s, *rest), lambda i, j, _: (i, j, 0, *zeros))
+        return spec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *zeros))
 
     kernel = functools.partial(
         body or _flash_decode_kernel,
