@@ -20,7 +20,8 @@ different body:
 Then `load` and `full` again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`:
 the programs reading one slot's strided scale pieces run together), and over a head-major copy
 of the cache ([B, Hkv, S, ...], made before timing: one program's rows contiguous, as the bf16
-twin's 256-byte rows nearly are), the same body and launch otherwise. Differences between
+twin's 256-byte rows nearly are), the same body and launch otherwise; and `full` with the output
+accumulated transposed (`BlockConfig.pv_transposed`: acc^T += V^T . p^T). Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
 bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
@@ -270,6 +271,17 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
                      for s in HEADS_INNER_STAGES]  # fmt: skip
         variants += [(f"fp4 {s}, head-major cache", s, by_heads, (kh, vh), False)
                      for s in HEAD_MAJOR_STAGES]  # fmt: skip
+        pv_t = functools.partial(
+            run_stage,
+            config=dataclasses.replace(plan.config, pv_transposed=True),
+            interpret=plan.interpret,
+        )
+        got = pv_t(q, kc, vc, lengths, stage="full").astype(jnp.float32)
+        # The same products summed in another order: equal to the output's rounding.
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        if (err := float(jnp.max(jnp.abs(got - want.astype(jnp.float32))))) > 2**-6 * scale:
+            raise AssertionError(f"p.v-transposed 'full' differs from the api kernel by {err}")
+        variants += [("fp4 full, p.v transposed", "full", pv_t, caches, False)]
         prev = None
         for name, stage, fn, (kx, vx), chained in variants:
             try:

@@ -86,6 +86,10 @@ class BlockConfig:
         pieces, and a slot's scale pieces (NVFP4: 8 + 4 bytes per head) are smaller than a
         32-byte DRAM sector; with the kv heads innermost the programs sharing those sectors run
         at the same time and the other heads' reads come from L2.
+      pv_transposed: accumulate the output transposed, acc^T [Dh, block_g] += V^T . p^T, so the
+        decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
+        8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
+        in another operand order.
     """
 
     block_s: int
@@ -95,6 +99,7 @@ class BlockConfig:
     num_stages: int = 2
     decode: str = DEFAULT_DECODE
     kv_heads_inner: bool = False
+    pv_transposed: bool = False
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -235,12 +240,13 @@ def _flash_decode_kernel(
     chunk: int,
     v_factor: float,
     split_axis: int,
+    pv_transposed: bool = False,
 ):
     """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l).
 
     q_scale_ref [block_g] float32 scales each query row's scores (the softmax scale times the
     factor the query was normalized by, see `_flash_decode`). `split_axis`: the grid axis that
-    numbers the splits.
+    numbers the splits. `pv_transposed`: `BlockConfig.pv_transposed`.
     """
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
@@ -260,21 +266,30 @@ def _flash_decode_kernel(
         s = block_scores(qs, ks, k_scale, valid, q_scale)
         m_new, alpha, p, total = online_softmax_step(m, total, s)
         p, pv_scale = weight_by_v_rows(p, v_scale, vs[0].dtype)
-        accs = tuple(
-            alpha[:, None] * acc
-            + pv_scale * jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
-            for acc, v in zip(accs, vs, strict=True)
-        )
+        if pv_transposed:  # acc^T [Dh / n_planes, block_g]
+            accs = tuple(
+                alpha[None, :] * acc
+                + pv_scale
+                * jnp.dot(v.T, p.T, precision=_PRECISION, preferred_element_type=jnp.float32)
+                for acc, v in zip(accs, vs, strict=True)
+            )
+        else:
+            accs = tuple(
+                alpha[:, None] * acc
+                + pv_scale * jnp.dot(p, v, precision=_PRECISION, preferred_element_type=jnp.float32)
+                for acc, v in zip(accs, vs, strict=True)
+            )
         return m_new, total, accs
 
+    acc_shape = (lambda r, c: (c, r)) if pv_transposed else (lambda r, c: (r, c))
     init = (
         jnp.full((block_g,), -jnp.inf, jnp.float32),
         jnp.zeros((block_g,), jnp.float32),
-        tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
+        tuple(jnp.zeros(acc_shape(*q.shape), jnp.float32) for q in qs),
     )
     m, total, accs = jax.lax.fori_loop(0, n_blocks, body, init)
     for acc_ref, acc in zip(acc_refs, accs, strict=True):
-        acc_ref[...] = acc * v_factor
+        acc_ref[...] = (acc.T if pv_transposed else acc) * v_factor
     m_ref[...] = m
     sum_ref[...] = total
 
@@ -395,8 +410,9 @@ def _flash_decode(
             return spec((sq, sq, s, *rest), lambda i, j, _: (i, j, 0, *zeros))
         return spec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *zeros))
 
+    production = functools.partial(_flash_decode_kernel, pv_transposed=config.pv_transposed)
     kernel = functools.partial(
-        body or _flash_decode_kernel,
+        body or production,
         load_kv=load_kv,
         n_planes=n_planes,
         n_kv_refs=len(kv_arrays),

@@ -26,6 +26,7 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
     by_variant = {r["variant"]: r for r in rows}
     inner = {f"fp4 {s}, kv heads inner" for s in abl.HEADS_INNER_STAGES}
     inner |= {f"fp4 {s}, head-major cache" for s in abl.HEAD_MAJOR_STAGES}
+    inner |= {"fp4 full, p.v transposed"}
     assert set(by_variant) == {*(f"fp4 {s}" for s in abl.STAGES), *inner, "bf16 twin (full)",
                                "read ceiling, FP4 bytes"}  # fmt: skip
     assert all(by_variant[v]["ms"] > 0 and "added_ms" not in by_variant[v] for v in inner)

@@ -241,6 +241,33 @@ def test_kv_heads_inner_grid_order_changes_nothing(fmt):
     _close(got, ref, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
+    """acc^T += V^T . p^T sums the products of acc += p . V: the default order's output to
+    float32 rounding (several splits, ragged lengths), and the reference's."""
+    case = CASES["ragged_three_splits"]
+    q, k, v, lengths = _inputs(case, q_dtype, seed=12)
+    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
+    if fmt is None:
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        plan = bf16_decode_attention_plan(q, k, v, lengths, **tiling)
+        op, args = kernel.bf16_decode_attention_pallas, (q, k, v, lengths)
+    else:
+        kc, vc = _packed(k, fmt), _packed(v, fmt)
+        plan = fp4_decode_attention_plan(q, kc, vc, lengths, **tiling)
+        op, args = kernel.fp4_decode_attention_pallas, (q, kc, vc, lengths)
+    assert plan.config.k_splits(case.slots) == 3 and not plan.config.pv_transposed
+    want = np.asarray(op(*args, config=plan.config, interpret=True), np.float32)
+    transposed = dataclasses.replace(plan.config, pv_transposed=True)
+    got = op(*args, config=transposed, interpret=True)
+    assert got.dtype == q_dtype and np.isfinite(want).all() and np.abs(want).max() > 0.1
+    ulp = 2.0**-7 if q_dtype == jnp.bfloat16 else 1e-6  # the output dtype's rounding
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=ulp, atol=ulp * 1e-2)
+    ref = _fp4_ref(*args) if fmt is not None else _bf16_ref(*args)
+    _close(got, ref, q_dtype)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_kernel_decode_equals_cache_read(fmt):
     """The kernel's FP8-aligned nibble planes, times their scales and 2**6, interleaved, give the
@@ -389,8 +416,19 @@ def test_bad_options_and_bf16_inputs_raise():
         (fp4.MXFP4, "f16"),
         (None, None),
         (fp4.NVFP4, "f16/heads_inner"),
+        (fp4.NVFP4, "f16/pv_transposed"),
+        (None, "f16/pv_transposed"),  # the bf16 cache ignores `decode`
     ],
-    ids=["nvfp4_e4m3", "mxfp4_e4m3", "nvfp4_f16", "mxfp4_f16", "bf16_cache", "nvfp4_heads_inner"],
+    ids=[
+        "nvfp4_e4m3",
+        "mxfp4_e4m3",
+        "nvfp4_f16",
+        "mxfp4_f16",
+        "bf16_cache",
+        "nvfp4_heads_inner",
+        "nvfp4_pv_transposed",
+        "bf16_pv_transposed",
+    ],
 )
 def test_lowers_through_triton_without_a_gpu(h200_triton_lowering, fmt, decode):
     """The kernel body lowers to Triton IR (power-of-two tensors, supported primitives) for an
@@ -405,6 +443,7 @@ def test_lowers_through_triton_without_a_gpu(h200_triton_lowering, fmt, decode):
         block_g=16,
         decode=decode,
         kv_heads_inner=order == "heads_inner",
+        pv_transposed=order == "pv_transposed",
     )
     if fmt is None:
         cache = jax.ShapeDtypeStruct((b, s, hkv, dh), jnp.bfloat16)
