@@ -23,6 +23,7 @@ principle; it has only been run in interpret mode so far).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +129,7 @@ def quantize_capture_pallas(
     block_n: int | None = None,
     s_g: jax.Array | None = None,
     loop_n: int | None = None,
+    body: Callable | None = None,
 ):
     """Runs the kernel on `x [R, N]` (R a multiple of `block_r`).
 
@@ -136,6 +138,8 @@ def quantize_capture_pallas(
       None: whole rows). Below N, NVFP4 needs the rows' own global scales `s_g` float32 [R, 1].
     loop_n: with whole rows, process each row band in column chunks of this width, one after
       the other (NVFP4: a first pass over the chunks for the global scale); None: all at once.
+    body: the kernel body (default `_kernel`; `experiments.quantize_ablation` passes cut-down
+      bodies with the same refs and keyword arguments to time the kernel's parts).
     Returns (packed codes [R, N/2], scale bits [R, NB], compact bits [R, N/8], global [R, 1]);
     with column tiles the global scale is not an output (it is `s_g`, or the guidance's).
     """
@@ -173,7 +177,9 @@ def quantize_capture_pallas(
         out_shape.append(jax.ShapeDtypeStruct((r, 1), jnp.float32))
         out_specs.append(row_vec())
     return pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given, loop_n=loop_n),
+        functools.partial(
+            body or _kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given, loop_n=loop_n
+        ),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,

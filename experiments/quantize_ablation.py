@@ -1,0 +1,193 @@
+r"""Where the fused quantize + capture kernel's time goes: the kernel cut down stage by stage.
+
+  python -m experiments.quantize_ablation [--quick]
+
+The kernel reaches 45% (MXFP4) and 31% (NVFP4) of copy bandwidth at 65536 x 4096 bf16
+(`results/kernels_findings.md` items 10 and 12); Nsight Compute does not run under JAX on the
+device machine, so, as for decode attention, the split comes from timing the production launch
+(`kernels_pallas.fp4_quantize.kernel.quantize_capture_pallas` with the API's default column tiles,
+4 rows x 1024 columns) with its body cut after each stage. Every stage reads the whole tile and
+writes every output byte the kernel writes (codes, scale bits, compact bits), so the bytes moved
+are the same in every row:
+
+  io      the tile read and its row sums broadcast into the outputs: the memory floor;
+  scales  + each block's max |x| and scale bits (`scales.block_scale_bits`, written for real) and
+          x divided by its scales (`scales.normalize`); the codes' outputs still row sums;
+  round   + round to nearest even on the FP4 grid and the code encoding (`quantize_core`, the
+          quantizer itself); codes summed per row, not packed;
+  full    the production body (+ packing two codes per byte and eight compact bits per byte).
+
+NVFP4's global scale is computed beforehand (by XLA, as the API does for column tiles) and passed
+in, outside the timed call; the API row beside the stages includes that extra pass. Beside them: a
+device copy of the input (the copy bandwidth the kernels are measured against). Writes
+`<outdir>/quantize_ablation.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import results_io
+from experiments.bench_kernels import _key, _time
+from experiments.timing import nbytes
+from kernels_pallas.fp4_quantize import api
+from kernels_pallas.fp4_quantize import kernel as K
+from trace_jax import fp4
+from trace_jax.fp4 import scales
+from trace_jax.fp4.quantize import quantize_core
+
+STAGES = ("io", "scales", "round", "full")
+
+
+def _fill(ref, per_row: jax.Array) -> None:
+    """Writes a [rows, 1] value into every column of `ref` (the output's bytes, cheaply)."""
+    ref[...] = jnp.broadcast_to(per_row.astype(jnp.int32).astype(ref.dtype), ref.shape)
+
+
+def _stage_body(stage: str):
+    """A kernel body with `K._kernel`'s refs and keyword arguments doing `stage`'s work (RTN, no
+    guidance, the whole tile at once)."""
+
+    def body(*refs, fmt, guide_mode, s_g_given, loop_n):
+        if guide_mode is not None or loop_n is not None:
+            raise ValueError("the ablation times RTN quantization of whole tiles only")
+        refs = list(refs)
+        x_ref = refs.pop(0)
+        sg_ref = refs.pop(0) if s_g_given else None
+        codes_ref, bits_ref, cbits_ref, *gs_ref = refs
+        x = x_ref[...].astype(jnp.float32)
+        rows, n = x.shape
+        s_g = sg_ref[...] if s_g_given else None
+        if fmt.has_global_scale and s_g is None:  # whole rows: the row's own, as `_kernel` does
+            s_g = scales.global_scale_from_amax(jnp.max(jnp.abs(x), axis=1, keepdims=True), fmt)
+        if stage == "io":
+            keep = jnp.sum(x, axis=1, keepdims=True)
+            _fill(bits_ref, keep)
+        elif stage == "scales":
+            xb = x.reshape(rows, n // fmt.block_size, fmt.block_size)
+            bits = scales.block_scale_bits(xb, fmt, s_g)
+            z = scales.normalize(xb, bits, s_g, fmt)
+            keep = jnp.sum(z.reshape(rows, n), axis=1, keepdims=True)
+            bits_ref[...] = bits
+        elif stage == "round":
+            codes, bits, _ = quantize_core(x, fmt, s_g=s_g)
+            keep = jnp.sum(codes.astype(jnp.int32), axis=1, keepdims=True)
+            bits_ref[...] = bits
+        else:
+            raise ValueError(f"unknown stage {stage!r}")
+        _fill(codes_ref, keep)
+        _fill(cbits_ref, keep)
+        for ref in gs_ref:  # whole rows only
+            ref[...] = s_g if s_g is not None else jnp.ones(ref.shape, jnp.float32)
+
+    return body
+
+
+BODIES = {stage: _stage_body(stage) for stage in STAGES[:-1]} | {"full": None}
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "stage", "block_r", "block_n", "interpret"))
+def run_stage(x, s_g, *, fmt, stage: str, block_r: int, block_n: int, interpret: bool):
+    """The quantize kernel's launch over `x [R, N]` with `stage`'s body -> its four outputs (only
+    "full" is the quantization; the others write what keeps their work alive)."""
+    return K.quantize_capture_pallas(
+        x,
+        fmt,
+        block_r=block_r,
+        block_n=block_n,
+        s_g=s_g,
+        interpret=interpret,
+        body=BODIES[stage],
+    )
+
+
+def bench(quick: bool) -> list[dict]:
+    rows_n, n = (64, 256) if quick else (65536, 4096)
+    block_r, block_n = (2, 128) if quick else (api.COLUMN_TILE_ROWS, api.COLUMN_TILE)
+    interpret = jax.default_backend() != "gpu"
+    x = jax.random.normal(_key(2), (rows_n, n), jnp.bfloat16)
+    t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
+    copy_bw = 2 * nbytes(x) / t_copy
+    out = [{"format": "n/a", "variant": "copy of x", "ms": 1e3 * t_copy, "fraction_of_copy": 1.0}]
+    for fmt in (fp4.MXFP4, fp4.NVFP4):
+        want = api.fp4_quantize(x, fmt, backend="xla")
+        moved = nbytes(x) + nbytes(want)  # as `bench_kernels` counts them
+        s_g = None
+        if fmt.has_global_scale:
+            s_g = scales.global_scale(x.astype(jnp.float32), fmt, (1,))
+        run = functools.partial(
+            run_stage, fmt=fmt, block_r=block_r, block_n=block_n, interpret=interpret
+        )
+        packed, bits, cbits, *_ = run(x, s_g, stage="full")  # the production body: the API's
+        for got, ref in ((packed, want.packed_codes), (cbits, want.compact_bits),
+                         (bits, scales.to_bits(want.scales))):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        prev = None
+        for stage in STAGES:
+            name = f"{fmt.name} {stage}"
+            try:
+                t = _time(quick, lambda a, g, s=stage, r=run: r(a, g, stage=s), x, s_g)
+            except Exception as e:  # a body Triton cannot lower must not lose the other rows
+                logging.exception("%s failed", name)
+                out.append({"format": fmt.name, "variant": name, "error": repr(e)[:300]})
+                prev = None
+                continue
+            out.append(
+                {
+                    "format": fmt.name,
+                    "variant": name,
+                    "ms": 1e3 * t,
+                    **({"added_ms": 1e3 * (t - prev)} if prev else {}),
+                    "fraction_of_copy": moved / t / copy_bw,
+                }
+            )
+            prev = t
+            logging.info("%s", out[-1])
+        t = _time(quick, lambda a, f=fmt: api.fp4_quantize(a, f, backend="pallas"), x)
+        out.append(
+            {
+                "format": fmt.name,
+                "variant": f"{fmt.name} API (incl. the global-scale pass)"
+                if fmt.has_global_scale
+                else f"{fmt.name} API",
+                "ms": 1e3 * t,
+                "fraction_of_copy": moved / t / copy_bw,
+            }
+        )
+    return out
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    rows = bench(f.quick)
+    cols = ["format", "variant", "ms", "added_ms", "fraction_of_copy"]
+    cols += ["error"] if any("error" in r for r in rows) else []
+    shape = "64 x 256" if f.quick else "65536 x 4096"
+    results_io.write_results(
+        f.name,
+        rows,
+        title="FP4 quantize + capture, cut down stage by stage",
+        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        notes=(
+            f"Input {shape} bf16, RTN, the API's default column tiles. Each stage row is the "
+            "production launch with the kernel body cut after that stage (module docstring of "
+            "`experiments/quantize_ablation.py`); `added_ms`: over the row above; "
+            "`fraction_of_copy`: the bytes the kernel moves over the time, against the copy's "
+            "bandwidth in the same run."
+            + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if f.quick else "")
+        ),
+        outdir=f.outdir,
+    )
+
+
+if __name__ == "__main__":
+    flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "quantize_ablation", "result file stem")
+    app.run(main)
