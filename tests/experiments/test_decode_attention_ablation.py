@@ -4,6 +4,7 @@ kernel, checked bit for bit inside `bench`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -82,3 +83,20 @@ def test_head_major_cache_gives_the_same_attention(fmt):
     got = run(q, kh, abl.head_major(vc), lengths, head_major=True)
     assert jnp.isfinite(want.astype(jnp.float32)).all()
     assert (got.astype(jnp.float32) == want.astype(jnp.float32)).all()
+
+
+def test_a_variant_computing_other_attention_is_recorded_not_timed(monkeypatch):
+    """A full variant whose output is not the api kernel's becomes an error row; the others
+    are still timed."""
+    real = abl.head_major
+
+    def corrupted(cache):  # one code bit flipped everywhere: other attention
+        moved = real(cache)
+        return dataclasses.replace(moved, codes=moved.codes ^ 0x11)
+
+    monkeypatch.setattr(abl, "head_major", corrupted)
+    rows, _ = abl.bench(quick=True, contexts=[200])
+    by_variant = {r["variant"]: r for r in rows}
+    assert "differs from the api kernel" in by_variant["fp4 full, head-major cache"]["error"]
+    assert by_variant["fp4 load, head-major cache"]["ms"] > 0  # not checked: not attention
+    assert by_variant["fp4 full"]["ms"] > 0 and by_variant["fp4 full, p.v transposed"]["ms"] > 0
