@@ -15,7 +15,10 @@ are the same in every row:
           x divided by its scales (`scales.normalize`); the codes' outputs still row sums;
   round   + round to nearest even on the FP4 grid and the code encoding (`quantize_core`, the
           quantizer itself); codes summed per row, not packed;
-  full    the production body (+ packing two codes per byte and eight compact bits per byte).
+  full    the production body (+ packing two codes per byte and eight compact bits per byte);
+
+and `full` again with the other packing (`pack="split"`: pairs joined by halving, no reduction;
+kernels_findings item 17).
 
 NVFP4's global scale is computed beforehand (by XLA, as the API does for column tiles) and passed
 in, outside the timed call; the API row beside the stages includes that extra pass. Beside them: a
@@ -91,10 +94,24 @@ def _stage_body(stage: str):
 BODIES = {stage: _stage_body(stage) for stage in STAGES[:-1]} | {"full": None}
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "stage", "block_r", "block_n", "interpret"))
-def run_stage(x, s_g, *, fmt, stage: str, block_r: int, block_n: int, interpret: bool):
-    """The quantize kernel's launch over `x [R, N]` with `stage`'s body -> its four outputs (only
-    "full" is the quantization; the others write what keeps their work alive)."""
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "stage", "block_r", "block_n", "interpret", "pack")
+)
+def run_stage(
+    x: jax.Array,
+    s_g: jax.Array | None,
+    *,
+    fmt: fp4.BlockFormat,
+    stage: str,
+    block_r: int,
+    block_n: int,
+    interpret: bool,
+    pack: str = "sum",
+) -> list[jax.Array]:
+    """The quantize kernel's launch over `x [R, N]` bf16 with `stage`'s body -> its outputs
+    (packed codes, scale bits, compact bits; only "full" is the quantization, the others write
+    what keeps their work alive). `s_g` float32 [R, 1]: NVFP4's global scales, else None.
+    `pack`: the production body's packing ("full" only)."""
     return K.quantize_capture_pallas(
         x,
         fmt,
@@ -103,6 +120,7 @@ def run_stage(x, s_g, *, fmt, stage: str, block_r: int, block_n: int, interpret:
         s_g=s_g,
         interpret=interpret,
         body=BODIES[stage],
+        pack=pack,
     )
 
 
@@ -123,15 +141,20 @@ def bench(quick: bool) -> list[dict]:
         run = functools.partial(
             run_stage, fmt=fmt, block_r=block_r, block_n=block_n, interpret=interpret
         )
-        packed, bits, cbits, *_ = run(x, s_g, stage="full")  # the production body: the API's
-        for got, ref in ((packed, want.packed_codes), (cbits, want.compact_bits),
-                         (bits, scales.to_bits(want.scales))):  # fmt: skip
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        # (row name, stage, packing); each `full` row's outputs are checked against the API's.
+        variants = [(f"{fmt.name} {s}", s, "sum") for s in STAGES]
+        variants += [(f"{fmt.name} full, split packing", "full", "split")]
         prev = None
-        for stage in STAGES:
-            name = f"{fmt.name} {stage}"
+        for name, stage, pack in variants:
             try:
-                t = _time(quick, lambda a, g, s=stage, r=run: r(a, g, stage=s), x, s_g)
+                if stage == "full":
+                    packed, bits, cbits, *_ = run(x, s_g, stage="full", pack=pack)
+                    for got, ref in ((packed, want.packed_codes), (cbits, want.compact_bits),
+                                     (bits, scales.to_bits(want.scales))):  # fmt: skip
+                        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+                t = _time(
+                    quick, lambda a, g, s=stage, p=pack, r=run: r(a, g, stage=s, pack=p), x, s_g
+                )
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 out.append({"format": fmt.name, "variant": name, "error": repr(e)[:300]})
@@ -142,11 +165,11 @@ def bench(quick: bool) -> list[dict]:
                     "format": fmt.name,
                     "variant": name,
                     "ms": 1e3 * t,
-                    **({"added_ms": 1e3 * (t - prev)} if prev else {}),
+                    **({"added_ms": 1e3 * (t - prev)} if prev and pack == "sum" else {}),
                     "fraction_of_copy": moved / t / copy_bw,
                 }
             )
-            prev = t
+            prev = t if pack == "sum" else None
             logging.info("%s", out[-1])
         t = _time(quick, lambda a, f=fmt: api.fp4_quantize(a, f, backend="pallas"), x)
         out.append(

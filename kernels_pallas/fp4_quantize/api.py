@@ -55,6 +55,7 @@ def fp4_quantize(
     block_n: int | None = None,
     num_warps: int = 4,
     loop_n: int | None = None,
+    pack: str = "sum",
     interpret: bool | None = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
@@ -67,7 +68,8 @@ def fp4_quantize(
     rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `loop_n` (whole rows
     only): each program walks its rows in column chunks of this width, the NVFP4 global scale
     from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
-    the GPU.
+    the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("sum" or "split",
+    the same bytes; `quantize_capture_pallas`).
     """
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
@@ -137,6 +139,7 @@ def fp4_quantize(
         block_n=block_n,
         s_g=s_g,
         loop_n=loop_n,
+        pack=pack,
     )
     # With column tiles the global scale is the one the kernel was given (guided: the rollout's).
     gsc = gsc[0] if gsc else (guide[2] if guide is not None else s_g)

@@ -45,6 +45,21 @@ def _pack(values: jax.Array, per_byte: int) -> jax.Array:
     return jnp.sum(v << shifts, axis=-1).astype(jnp.uint8)
 
 
+def _pack_by_split(values: jax.Array, per_byte: int) -> jax.Array:
+    """`_pack` by halving: adjacent pairs joined as lo | hi << shift, the shift doubling each
+    round (`jnp.unstack` of a trailing 2: Triton's split, no reduction), until `per_byte`
+    fields share a byte."""
+    v, shift = values.astype(jnp.int32), 8 // per_byte
+    for _ in range(per_byte.bit_length() - 1):  # log2(per_byte) rounds
+        r, n = v.shape
+        lo, hi = jnp.unstack(v.reshape(r, n // 2, 2), axis=-1)
+        v, shift = lo | (hi << shift), 2 * shift
+    return v.astype(jnp.uint8)
+
+
+PACKINGS = {"sum": _pack, "split": _pack_by_split}
+
+
 def _unpack(packed: jax.Array, per_byte: int) -> jax.Array:
     r, m = packed.shape
     width = 8 // per_byte
@@ -57,8 +72,14 @@ def _unpack(packed: jax.Array, per_byte: int) -> jax.Array:
 
 
 def _kernel(
-    *refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, s_g_given: bool, loop_n: int | None
+    *refs,
+    fmt: BlockFormat,
+    guide_mode: GuidanceMode | None,
+    s_g_given: bool,
+    loop_n: int | None,
+    pack: str = "sum",
 ):
+    pack_fields = PACKINGS[pack]
     refs = list(refs)
     x_ref = refs.pop(0)
     sg_ref = refs.pop(0) if s_g_given else None
@@ -110,9 +131,9 @@ def _kernel(
         codes, bits, s_g_out = quantize_core(
             x_chunk(a, b), fmt, s_g=s_g, rounding=rounding, **kwargs
         )
-        store(codes_ref, a, b, 2, _pack(codes, 2))
+        store(codes_ref, a, b, 2, pack_fields(codes, 2))
         store(bits_ref, a, b, bs, bits)
-        store(cbits_ref, a, b, 8, _pack(codes & 1, 8))
+        store(cbits_ref, a, b, 8, pack_fields(codes & 1, 8))
     if gs_ref is not None:
         gs_ref[...] = s_g_out if s_g_out is not None else jnp.ones(gs_ref.shape, jnp.float32)
 
@@ -130,6 +151,7 @@ def quantize_capture_pallas(
     s_g: jax.Array | None = None,
     loop_n: int | None = None,
     body: Callable | None = None,
+    pack: str = "sum",
 ):
     """Runs the kernel on `x [R, N]` (R a multiple of `block_r`).
 
@@ -140,9 +162,14 @@ def quantize_capture_pallas(
       the other (NVFP4: a first pass over the chunks for the global scale); None: all at once.
     body: the kernel body (default `_kernel`; `experiments.quantize_ablation` passes cut-down
       bodies with the same refs and keyword arguments to time the kernel's parts).
+    pack: how codes and compact bits are packed into bytes: "sum" (shifted fields summed over a
+      trailing axis) or "split" (pairs joined by halving); the same bytes (kernels_findings
+      item 17).
     Returns (packed codes [R, N/2], scale bits [R, NB], compact bits [R, N/8], global [R, 1]);
     with column tiles the global scale is not an output (it is `s_g`, or the guidance's).
     """
+    if pack not in PACKINGS:
+        raise ValueError(f"pack must be one of {sorted(PACKINGS)}, got {pack!r}")
     r, n = x.shape
     block_n = block_n or n
     tiled = block_n < n
@@ -178,7 +205,11 @@ def quantize_capture_pallas(
         out_specs.append(row_vec())
     return pl.pallas_call(
         functools.partial(
-            body or _kernel, fmt=fmt, guide_mode=guide_mode, s_g_given=given, loop_n=loop_n
+            body or functools.partial(_kernel, pack=pack),
+            fmt=fmt,
+            guide_mode=guide_mode,
+            s_g_given=given,
+            loop_n=loop_n,
         ),
         grid=grid,
         in_specs=in_specs,

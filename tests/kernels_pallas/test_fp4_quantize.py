@@ -80,9 +80,10 @@ def test_bad_inputs():
         fp4_quantize(jnp.ones((2, 64)), "nvfp4", backend="cuda")
 
 
+@pytest.mark.parametrize("pack", ["sum", "split"])
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
 @pytest.mark.parametrize("mode", [None, "compact", "full"])
-def test_column_tiles_match_reference(fmt, mode):
+def test_column_tiles_match_reference(fmt, mode, pack):
     # block_n = 64 splits each 256-wide row over 4 programs: an NVFP4 row's global scale must
     # come from the whole row, not the tile (the rows' magnitudes differ by orders: _x).
     x = _x((6, 256), seed=11)
@@ -90,7 +91,7 @@ def test_column_tiles_match_reference(fmt, mode):
     if mode is not None:
         noise = jax.random.normal(jax.random.key(4), x.shape)
         g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
-    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, block_n=64)
+    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, block_n=64, pack=pack)
     assert last_backend() == "pallas"
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
     with pytest.raises(ValueError, match="block_n"):
@@ -119,6 +120,22 @@ def test_default_launch_tiles_wide_rows(fmt, monkeypatch):
         fp4_quantize(narrow, fmt, backend="pallas"), quantize_capture_reference(narrow, fmt)
     )
     assert launches == [(api.COLUMN_TILE_ROWS, 64), (min(16, api.TILE_ELEMENTS // 64), None)]
+
+
+@pytest.mark.parametrize("per_byte", [2, 8])
+def test_split_packing_puts_field_j_at_bit_j_times_width(per_byte):
+    """Both packings against a numpy packing of random fields (independent of either)."""
+    from kernels_pallas.fp4_quantize import kernel
+
+    width = 8 // per_byte
+    fields = np.random.default_rng(per_byte).integers(0, 1 << width, (3, 64))
+    want = (fields.reshape(3, -1, per_byte) << (width * np.arange(per_byte))).sum(-1)
+    for pack in kernel.PACKINGS.values():
+        got = pack(jnp.asarray(fields, jnp.uint8), per_byte)
+        assert got.dtype == jnp.uint8
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="pack must be one of"):
+        fp4_quantize(_x((2, 64), seed=1), fp4.MXFP4, backend="pallas", pack="shift")
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
