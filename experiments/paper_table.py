@@ -307,8 +307,34 @@ def _smooth(x: np.ndarray, window: int = 10) -> np.ndarray:
     return (c[n] - c[lo]) / (n - lo)
 
 
-def _plot(cfg, workdir: str, path: str) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+def plot_adaptation(
+    ax, adapt: dict, sft_score: float | None, colors: dict[str, str] | None = None
+) -> None:
+    """The adaptation curve on `ax`: `adapt`'s run and reference (mean, the reference's seed std
+    as error bars) on the hardest split at every evaluation step, from the SFT score (step -1)
+    when known; a dotted line where the run first matches. `colors`: label -> matplotlib color."""
+    run, ref = adapt["run"], adapt["reference"]
+    steps = [p["step"] for p in adapt["points"]]
+    run_y = [p[run] for p in adapt["points"]]
+    ref_y = [p[ref] for p in adapt["points"]]
+    if sft_score is not None:
+        steps, run_y, ref_y = [-1, *steps], [sft_score, *run_y], [sft_score, *ref_y]
+    ref_err = [0.0] * (len(steps) - len(adapt["points"])) + [p["ref_std"] for p in adapt["points"]]
+    colors = colors or {}
+    ax.errorbar(
+        steps, ref_y, yerr=ref_err, fmt="o-", capsize=3, color=colors.get(ref),
+        label=f"{ref} (+- seed std)",
+    )  # fmt: skip
+    ax.plot(steps, run_y, "s-", color=colors.get(run), label=run)
+    if adapt["matched_at"] is not None:
+        ax.axvline(adapt["matched_at"], color="k", ls=":", lw=1)
+    ax.legend(fontsize=7)
+    ax.set(xlabel="RL step", title=f"hardest split `{adapt['split']}` (-1: SFT)")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot(cfg, workdir: str, path: str, adapt: dict | None = None) -> None:
+    fig, axes = plt.subplots(1, 4 if adapt else 3, figsize=(18.5 if adapt else 14, 3.6))
     start = sft_row(cfg, workdir)
     sft_score = None if start is None else start["average"]
     for label, _ in cfg.table.runs:
@@ -329,7 +355,7 @@ def _plot(cfg, workdir: str, path: str) -> None:
             steps, score = [-1, *steps], [sft_score, *score]
         axes[2].plot(steps, score, "o-", label=label)
     for ax, title in zip(
-        axes,
+        axes[:3],
         (
             "mean reward (10-step avg)",
             "mean |logp train - rollout| (10-step avg)",
@@ -340,6 +366,9 @@ def _plot(cfg, workdir: str, path: str) -> None:
         ax.set(xlabel="RL step", title=title)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
+    if adapt:
+        colors = {label: f"C{i}" for i, (label, _) in enumerate(cfg.table.runs)}
+        plot_adaptation(axes[3], adapt, None if start is None else start[adapt["split"]], colors)
     fig.suptitle(f"{cfg.table.title}: mean over finished seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -439,7 +468,7 @@ def run(
         outdir=outdir,
         extra={"adaptation": adapt} if adapt is not None else None,
     )
-    _plot(cfg, workdir, os.path.join(outdir, f"{name}.png"))
+    _plot(cfg, workdir, os.path.join(outdir, f"{name}.png"), adapt)
     print(table)
     return rows
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import jax
+import matplotlib.axes
+import matplotlib.pyplot
 import ml_collections
 import numpy as np
 import pytest
@@ -184,6 +186,35 @@ def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
         path = tmp_path / "qat_lr" / f"seed{seed}" / "rl_eval.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert paper_table.adaptation(cfg, str(tmp_path), "qat lr", "qat")["matched_at"] is None
+
+
+def test_adaptation_curve_draws_both_runs_from_the_sft_score(monkeypatch):
+    adapt = {
+        "split": "aime25", "run": "trace", "reference": "bf16", "matched_at": 49,
+        "points": [{"step": 49, "trace": 0.30, "bf16": 0.31, "ref_std": 0.02},
+                   {"step": 99, "trace": 0.33, "bf16": 0.32, "ref_std": 0.01}],
+    }  # fmt: skip
+    calls = []
+    for method in ("errorbar", "plot", "axvline"):
+        real = getattr(matplotlib.axes.Axes, method)
+
+        def record(self, *args, _m=method, _real=real, **kw):
+            calls.append((_m, args, kw.get("yerr")))
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, method, record)
+    fig, ax = matplotlib.pyplot.subplots()
+    paper_table.plot_adaptation(ax, adapt, sft_score=0.2)
+    matplotlib.pyplot.close(fig)
+    assert calls[0] == ("errorbar", ([-1, 49, 99], [0.2, 0.31, 0.32]), [0.0, 0.02, 0.01])
+    assert calls[1][:2] == ("plot", ([-1, 49, 99], [0.2, 0.30, 0.33], "s-"))
+    assert calls[2][:2] == ("axvline", (49,))
+    calls.clear()
+    fig, ax = matplotlib.pyplot.subplots()
+    paper_table.plot_adaptation(ax, {**adapt, "matched_at": None}, sft_score=None)
+    matplotlib.pyplot.close(fig)
+    assert calls[0] == ("errorbar", ([49, 99], [0.31, 0.32]), [0.02, 0.01])
+    assert [c[0] for c in calls] == ["errorbar", "plot"]  # never matched: no line
 
 
 def test_shared_runs_name_the_run_each_copy_came_from(tmp_path):
