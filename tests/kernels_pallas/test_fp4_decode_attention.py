@@ -217,12 +217,11 @@ def test_reference_matches_per_head_loop():
             np.testing.assert_allclose(out[b, h], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
-def test_kv_heads_inner_grid_order_changes_nothing(fmt):
-    """The grid with the kv heads innermost runs the same programs in another order: bit for bit
-    the output of the default order (several splits, ragged lengths, two kv heads)."""
+def _three_split_case(fmt, q_dtype, seed: int):
+    """The ragged three-split case for the FP4 kernel (`fmt`) or the bf16 twin (None) ->
+    (the default plan, the kernel, its arguments)."""
     case = CASES["ragged_three_splits"]
-    q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=11)
+    q, k, v, lengths = _inputs(case, q_dtype, seed=seed)
     tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
     if fmt is None:
         k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
@@ -232,7 +231,16 @@ def test_kv_heads_inner_grid_order_changes_nothing(fmt):
         kc, vc = _packed(k, fmt), _packed(v, fmt)
         plan = fp4_decode_attention_plan(q, kc, vc, lengths, **tiling)
         op, args = kernel.fp4_decode_attention_pallas, (q, kc, vc, lengths)
-    assert plan.config.k_splits(case.slots) == 3 and not plan.config.kv_heads_inner
+    assert plan.config.k_splits(case.slots) == 3
+    return plan, op, args
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
+def test_kv_heads_inner_grid_order_changes_nothing(fmt):
+    """The grid with the kv heads innermost runs the same programs in another order: bit for bit
+    the output of the default order (several splits, ragged lengths, two kv heads)."""
+    plan, op, args = _three_split_case(fmt, jnp.bfloat16, seed=11)
+    assert not plan.config.kv_heads_inner
     inner = dataclasses.replace(plan.config, kv_heads_inner=True)
     want = op(*args, config=plan.config, interpret=True)
     got = op(*args, config=inner, interpret=True)
@@ -246,18 +254,8 @@ def test_kv_heads_inner_grid_order_changes_nothing(fmt):
 def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
     """acc^T += V^T . p^T sums the products of acc += p . V: the default order's output to
     float32 rounding (several splits, ragged lengths), and the reference's."""
-    case = CASES["ragged_three_splits"]
-    q, k, v, lengths = _inputs(case, q_dtype, seed=12)
-    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
-    if fmt is None:
-        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-        plan = bf16_decode_attention_plan(q, k, v, lengths, **tiling)
-        op, args = kernel.bf16_decode_attention_pallas, (q, k, v, lengths)
-    else:
-        kc, vc = _packed(k, fmt), _packed(v, fmt)
-        plan = fp4_decode_attention_plan(q, kc, vc, lengths, **tiling)
-        op, args = kernel.fp4_decode_attention_pallas, (q, kc, vc, lengths)
-    assert plan.config.k_splits(case.slots) == 3 and not plan.config.pv_transposed
+    plan, op, args = _three_split_case(fmt, q_dtype, seed=12)
+    assert not plan.config.pv_transposed
     want = np.asarray(op(*args, config=plan.config, interpret=True), np.float32)
     transposed = dataclasses.replace(plan.config, pv_transposed=True)
     got = op(*args, config=transposed, interpret=True)
