@@ -16,6 +16,7 @@ import pytest
 
 from tests.fp4 import cases, reference
 from trace_jax import fp4
+from trace_jax.fp4 import numerics
 
 NAMES = ("mxfp4", "nvfp4", "mxfp8")
 
@@ -150,3 +151,25 @@ def test_formats():
     np.testing.assert_array_equal(fp4.ElementType.E4M3.spec.grid(), reference.grid("mxfp8"))
     with pytest.raises(ValueError, match="unknown block format"):
         fp4.get_format("fp3")
+
+
+@pytest.mark.parametrize("name", ("nvfp4", "mxfp8"))
+def test_nearest_even_index_matches_the_grid_rule_and_ml_dtypes(name):
+    """The fast RTN code (2**23 rounding trick) against ml_dtypes' cast and the two-neighbour rule,
+    on every grid point, every midpoint and its float32 neighbours, and random magnitudes over
+    all binades down to float32's smallest normals."""
+    spec = fp4.get_format(name).elem
+    g = reference.grid(name)
+    mids = (g[1:] + g[:-1]) / 2
+    near = np.concatenate([g, mids]).astype(np.float32)
+    near = np.concatenate([near, np.nextafter(near, 0), np.nextafter(near, np.inf)])
+    rng = np.random.default_rng(0)
+    rand = np.exp2(rng.uniform(-126, np.log2(spec.max_value), 20_000)).astype(np.float32)
+    a = np.clip(np.concatenate([near, rand, [0.0, 1e-38]]), 0, spec.max_value).astype(np.float32)
+
+    got = np.asarray(jax.jit(numerics.nearest_even_index, static_argnums=1)(a, spec))
+    want, _ = reference.element_codes(a, name)
+    np.testing.assert_array_equal(got, want.astype(np.int32))
+    lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(jnp.asarray(a), spec)
+    two_neighbours = numerics.select_nearest_even(jnp.asarray(a), lo, hi, lo_idx, hi_idx)
+    np.testing.assert_array_equal(got, np.asarray(two_neighbours))

@@ -27,7 +27,7 @@ from trace_jax.fp4.formats import BlockFormat, ElementType, ScaleType
 
 _E4M3 = ElementType.E4M3.spec
 _E4M3_NAN = 0x7F
-_E4M3_MIN_SCALE = 2.0**-9
+_E4M3_MIN_SCALE_CODE = 1  # 2**-9, E4M3's smallest subnormal
 # Smallest global scale: keeps s_b * s_g >= 2**-9 * 2**-117 inside float32's normal range (XLA
 # flushes subnormals, which would turn the combined scale into zero).
 _MIN_GLOBAL_SCALE = 2.0**-117
@@ -85,10 +85,9 @@ def block_scale_bits(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> 
     else:
         raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g)
         raw = jnp.minimum(raw, _E4M3.max_value)
-        s_b = jnp.maximum(numerics.round_nearest_even(raw, _E4M3), _E4M3_MIN_SCALE)
-        _, _, idx, _ = numerics.grid_neighbours(jnp.where(jnp.isnan(s_b), 0.0, s_b), _E4M3)
-        bits = numerics.encode(jnp.zeros_like(idx), idx, _E4M3)
-        bits = jnp.where(nonfinite | jnp.isnan(s_b), _E4M3_NAN, bits).astype(jnp.uint8)
+        # Code 1 is 2**-9, the smallest scale: a scale rounding to zero is raised to it.
+        idx = jnp.maximum(numerics.nearest_even_index(raw, _E4M3), _E4M3_MIN_SCALE_CODE)
+        bits = jnp.where(nonfinite | jnp.isnan(raw), _E4M3_NAN, idx).astype(jnp.uint8)
     return bits.astype(jnp.uint8)
 
 
