@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.fp4_quantize.kernel import quantize_capture_pallas
+from kernels_pallas.fp4_quantize.kernel import DEFAULT_PACK, quantize_capture_pallas
 from kernels_pallas.fp4_quantize.reference import QuantizedCapture, quantize_capture_reference
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, Guidance, GuidanceMode
@@ -55,7 +55,7 @@ def fp4_quantize(
     block_n: int | None = None,
     num_warps: int = 4,
     loop_n: int | None = None,
-    pack: str = "sum",
+    pack: str = DEFAULT_PACK,
     interpret: bool | None = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
@@ -68,7 +68,7 @@ def fp4_quantize(
     rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `loop_n` (whole rows
     only): each program walks its rows in column chunks of this width, the NVFP4 global scale
     from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
-    the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("sum" or "split",
+    the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("split" or "sum",
     the same bytes; `quantize_capture_pallas`).
     """
     fmt = fp4.get_format(fmt)
