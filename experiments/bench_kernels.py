@@ -79,7 +79,7 @@ def ceilings(quick: bool) -> dict[str, float]:
 # the default (whole rows). Expected (kernels_findings.md item 10): more warps per 4096-wide row
 # spread the per-block work (NVFP4 has 256 blocks of 16 per row) and may lift NVFP4 from 8% of
 # copy bandwidth toward MXFP4's 31%; column tiles give 2-D tiles and 8-16x more programs (NVFP4
-# then reads each row once more for its global scale, inside the timed call). The last two
+# then reads each row once more for its global scale, inside the timed call). The last four
 # (session 10): larger row-loop programs, NVFP4 with its global scale inside the kernel.
 # (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
 QUANTIZE_LAUNCHES = (
@@ -95,6 +95,8 @@ QUANTIZE_LAUNCHES = (
     (8, None, 4, 512),
     (8, None, 8, 1024),
     (2, None, 4, 2048),
+    (1, None, 4, 2048),
+    (2, None, 8, 2048),
 )
 
 

@@ -5,7 +5,7 @@ r"""Where the fused quantize + capture kernel's time goes: the kernel cut down s
 The kernel reaches 45% (MXFP4) and 31% (NVFP4) of copy bandwidth at 65536 x 4096 bf16
 (`results/kernels_findings.md` items 10 and 12); Nsight Compute does not run under JAX on the
 device machine, so, as for decode attention, the split comes from timing the production launch
-(`kernels_pallas.fp4_quantize.kernel.quantize_capture_pallas` with the API's default column tiles,
+(`kernels_pallas.fp4_quantize.kernel.quantize_capture_pallas` with the API's column tiles,
 4 rows x 1024 columns) with its body cut after each stage. Every stage reads the whole tile and
 writes every output byte the kernel writes (codes, scale bits, compact bits), so the bytes moved
 are the same in every row:
@@ -22,7 +22,8 @@ and `full` again with the other packing (`pack="sum"`: shifted fields summed ove
 axis, the default before kernels_findings item 17).
 
 NVFP4's global scale is computed beforehand (by XLA, as the API does for column tiles) and passed
-in, outside the timed call; the API row beside the stages includes that extra pass. Beside them: a
+in, outside the timed call. Beside the stages, the API's own default launch of each format (for
+wide NVFP4 rows a row loop with the global scale inside the kernel, `api.default_launch`). And a
 device copy of the input (the copy bandwidth the kernels are measured against). Writes
 `<outdir>/quantize_ablation.{md,json}`.
 """
@@ -127,6 +128,17 @@ def run_stage(
     )
 
 
+def _launch_name(fmt: fp4.BlockFormat, n: int) -> str:
+    """The API's default launch for rows of width `n`, in words."""
+    block_r, block_n, loop_n = api.default_launch(fmt, n)
+    if loop_n:
+        return f"{block_r}-row programs, {loop_n}-column chunks, global scale in the kernel"
+    if block_n:
+        extra = ", incl. XLA's global-scale pass" if fmt.has_global_scale else ""
+        return f"{block_r} x {block_n} column tiles{extra}"
+    return "whole rows"
+
+
 def bench(quick: bool) -> list[dict]:
     rows_n, n = (64, 256) if quick else (65536, 4096)
     block_r, block_n = (2, 128) if quick else (api.COLUMN_TILE_ROWS, api.COLUMN_TILE)
@@ -178,9 +190,7 @@ def bench(quick: bool) -> list[dict]:
         out.append(
             {
                 "format": fmt.name,
-                "variant": f"{fmt.name} API (incl. the global-scale pass)"
-                if fmt.has_global_scale
-                else f"{fmt.name} API",
+                "variant": f"{fmt.name} API ({_launch_name(fmt, n)})",
                 "ms": 1e3 * t,
                 "fraction_of_copy": moved / t / copy_bw,
             }
@@ -201,7 +211,7 @@ def main(argv):
         title="FP4 quantize + capture, cut down stage by stage",
         table=results_io.markdown_table(rows, cols, fmt=".4g"),
         notes=(
-            f"Input {shape} bf16, RTN, the API's default column tiles. Each stage row is the "
+            f"Input {shape} bf16, RTN, the API's column tiles. Each stage row is the "
             "production launch with the kernel body cut after that stage (module docstring of "
             "`experiments/quantize_ablation.py`); `added_ms`: over the row above; "
             "`fraction_of_copy`: the bytes the kernel moves over the time, against the copy's "

@@ -43,6 +43,22 @@ TILE_ELEMENTS = 2048
 # (`experiments/results/kernels_quantize.md`, kernels_findings.md item 10).
 COLUMN_TILE = 1024
 COLUMN_TILE_ROWS = 4
+# NVFP4 rows wider than this are walked by ROW_LOOP_ROWS-row programs in chunks of this width, the
+# global scale from a first pass over the chunks (no separate XLA pass over the rows): 0.356 ms
+# against 0.456 ms for column tiles plus XLA's global scale at 65536 x 4096 bf16 on the H200
+# (kernels_findings.md item 18).
+ROW_LOOP_CHUNK = 2048
+ROW_LOOP_ROWS = 2
+
+
+def default_launch(fmt: BlockFormat, n: int) -> tuple[int | None, int | None, int | None]:
+    """(block_r, block_n, loop_n) of `fp4_quantize` for rows of width `n` when none is given
+    (None: the kernel's whole-row default for that argument)."""
+    if fmt.has_global_scale and n > ROW_LOOP_CHUNK:
+        return ROW_LOOP_ROWS, None, ROW_LOOP_CHUNK
+    if n > COLUMN_TILE:
+        return COLUMN_TILE_ROWS, COLUMN_TILE, None
+    return None, None, None
 
 
 def fp4_quantize(
@@ -63,9 +79,11 @@ def fp4_quantize(
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
     The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
     program and `block_n` columns per program (a power of two dividing N, a multiple of the block
-    and of 8; below N the NVFP4 global scale is computed by XLA first). Default: rows wider than
-    COLUMN_TILE in COLUMN_TILE_ROWS x COLUMN_TILE tiles (the fastest measured launch), narrower
-    rows whole, about TILE_ELEMENTS elements (at most 16 rows) per program. `loop_n` (whole rows
+    and of 8; below N the NVFP4 global scale is computed by XLA first). Default
+    (`default_launch`, the fastest measured): NVFP4 rows wider than ROW_LOOP_CHUNK walked in
+    chunks of it, ROW_LOOP_ROWS rows per program; other rows wider than COLUMN_TILE in
+    COLUMN_TILE_ROWS x COLUMN_TILE tiles; narrower rows whole, about TILE_ELEMENTS elements (at
+    most 16 rows) per program. `loop_n` (whole rows
     only): each program walks its rows in column chunks of this width, the NVFP4 global scale
     from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
     the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("split" or "sum",
@@ -89,8 +107,8 @@ def fp4_quantize(
                 f"loop_n={loop_n} must be a power of two dividing N={n} and a multiple of "
                 f"{max(fmt.block_size, 8)}"
             )
-    elif block_n is None and block_r is None and n > COLUMN_TILE:
-        block_n, block_r = COLUMN_TILE, COLUMN_TILE_ROWS
+    elif block_n is None and block_r is None:
+        block_r, block_n, loop_n = default_launch(fmt, n)
     if block_n is not None and block_n < n:
         if not (_is_pow2(block_n) and n % block_n == 0 and block_n % max(fmt.block_size, 8) == 0):
             raise ValueError(

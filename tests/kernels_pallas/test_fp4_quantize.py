@@ -99,27 +99,38 @@ def test_column_tiles_match_reference(fmt, mode, pack):
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
-def test_default_launch_tiles_wide_rows(fmt, monkeypatch):
-    # Rows wider than COLUMN_TILE default to column tiles (the fastest launch measured on the
-    # H200); narrower rows stay whole. COLUMN_TILE is lowered so interpret mode stays quick.
+def test_default_launch_of_wide_and_narrow_rows(fmt, monkeypatch):
+    # The fastest launches measured on the H200: wide NVFP4 rows walked in chunks by a row loop
+    # (global scale inside the kernel), other rows wider than COLUMN_TILE in column tiles,
+    # narrower rows whole. The widths are lowered so interpret mode stays quick.
     from kernels_pallas.fp4_quantize import api
 
     launches = []
     kernel = api.quantize_capture_pallas
 
     def spy(*args, **kwargs):
-        launches.append((kwargs["block_r"], kwargs["block_n"]))
+        launches.append((kwargs["block_r"], kwargs["block_n"], kwargs["loop_n"]))
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(api, "quantize_capture_pallas", spy)
     monkeypatch.setattr(api, "COLUMN_TILE", 64)
+    monkeypatch.setattr(api, "ROW_LOOP_CHUNK", 128)
     x = _x((5, 256), seed=12)
     _assert_same(fp4_quantize(x, fmt, backend="pallas"), quantize_capture_reference(x, fmt))
+    mid = x[:, :128]  # a column tile's width, not the row loop's
+    _assert_same(fp4_quantize(mid, fmt, backend="pallas"), quantize_capture_reference(mid, fmt))
     narrow = x[:, :64]
     _assert_same(
         fp4_quantize(narrow, fmt, backend="pallas"), quantize_capture_reference(narrow, fmt)
     )
-    assert launches == [(api.COLUMN_TILE_ROWS, 64), (min(16, api.TILE_ELEMENTS // 64), None)]
+    wide = (
+        (api.ROW_LOOP_ROWS, None, 128) if fmt.has_global_scale else (api.COLUMN_TILE_ROWS, 64, None)
+    )
+    assert launches == [
+        wide,
+        (api.COLUMN_TILE_ROWS, 64, None),
+        (min(16, api.TILE_ELEMENTS // 64), None, None),
+    ]
 
 
 @pytest.mark.parametrize("per_byte", [2, 8])
