@@ -203,6 +203,10 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                     for bs in (64, 128)
                     for warps, splits, stages in ((4, two_per_sm, 2), (4, None, 3), (8, None, 2))
                 ] + [("f16", 64, 4, None, 2)]
+                # Longer steps: half the serial softmax chains per program (kernels_findings
+                # item 19), and deeper load pipelining.
+                variants += [("f16", 256, 4, None, 2), ("f16", 256, 8, None, 2)]
+                variants += [("f16", 128, 4, None, 4)]
             for decode, bs, warps, splits, stages in variants[:1] if quick else variants:
                 run_fp4 = functools.partial(
                     attn.fp4_decode_attention,
