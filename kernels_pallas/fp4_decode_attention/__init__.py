@@ -4,6 +4,7 @@ kernel, and an api that picks the backend. See `kernel.py` for the design and by
 from kernels_pallas.fp4_decode_attention.api import (
     DEFAULT_BLOCK_S,
     FP4_DEFAULT_BLOCK_S,
+    FP4_DEFAULT_NUM_STAGES,
     FP4_TARGET_PROGRAMS,
     DecodePlan,
     bf16_decode_attention,
@@ -22,6 +23,7 @@ from kernels_pallas.fp4_decode_attention.reference import (
 __all__ = [
     "DEFAULT_BLOCK_S",
     "FP4_DEFAULT_BLOCK_S",
+    "FP4_DEFAULT_NUM_STAGES",
     "FP4_TARGET_PROGRAMS",
     "BlockConfig",
     "DecodePlan",

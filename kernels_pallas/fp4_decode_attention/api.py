@@ -27,6 +27,9 @@ from trace_jax.models.packed_kv_cache import PackedTensorCache
 # steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2 per SM.
 DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
+# Three load stages: 0-14% faster than two at every context of both shapes measured on the H200
+# (2026-12-01, kernels_findings.md item 19); the bf16 twin keeps BlockConfig's two.
+FP4_DEFAULT_NUM_STAGES = 3
 # Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
 TARGET_PROGRAMS = 2 * NUM_SMS  # bf16 twin
@@ -105,6 +108,7 @@ def _plan(
     num_warps=None,
     num_stages=None,
     default_block_s=DEFAULT_BLOCK_S,
+    default_num_stages=None,
     target_programs=TARGET_PROGRAMS,
 ) -> DecodePlan:
     if backend not in set(Backend):
@@ -122,6 +126,7 @@ def _plan(
     if slots < 1:
         raise ValueError("the cache has no slots (S = 0)")
     block_s = default_block_s if block_s is None else block_s
+    num_stages = default_num_stages if num_stages is None else num_stages
     if not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
     n_blocks = pl.cdiv(slots, block_s)
@@ -203,6 +208,7 @@ def fp4_decode_attention_plan(
         num_warps=num_warps,
         num_stages=num_stages,
         default_block_s=FP4_DEFAULT_BLOCK_S,
+        default_num_stages=FP4_DEFAULT_NUM_STAGES,
         target_programs=FP4_TARGET_PROGRAMS,
     )
 

@@ -23,6 +23,7 @@ from kernels_pallas.common import Backend
 from kernels_pallas.fp4_decode_attention import (
     DEFAULT_BLOCK_S,
     FP4_DEFAULT_BLOCK_S,
+    FP4_DEFAULT_NUM_STAGES,
     FP4_TARGET_PROGRAMS,
     bf16_decode_attention,
     bf16_decode_attention_plan,
@@ -327,12 +328,14 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
     plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: auto runs the reference
     assert plan.backend is Backend.XLA and plan.fallback is None
     assert plan.config.block_s == FP4_DEFAULT_BLOCK_S and plan.config.block_g == 16
+    assert plan.config.num_stages == FP4_DEFAULT_NUM_STAGES == 3
+    assert fp4_decode_attention_plan(q, kc, vc, lengths, num_stages=2).config.num_stages == 2
     # 8 * 132 target programs over B * Hkv = 6, capped at the 2 blocks of 128 in S = 150.
     assert default_k_splits(3, 2, 150, 128, FP4_TARGET_PROGRAMS) == plan.k_splits == 2
     assert default_k_splits(3, 2, 150, 64) == 3  # the bf16 twin: 264 programs, 3 blocks of 64
     assert default_k_splits(8, 8, 32768, 64) == 5  # long context: ~2 programs per SM
     twin = bf16_decode_attention_plan(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
-    assert (twin.config.block_s, twin.k_splits) == (DEFAULT_BLOCK_S, 3)
+    assert (twin.config.block_s, twin.k_splits, twin.config.num_stages) == (DEFAULT_BLOCK_S, 3, 2)
     plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=4, block_s=16)
     assert (plan.backend, plan.interpret) == (Backend.PALLAS, True)
     assert (plan.config.decode, plan.config.num_warps) == (kernel.DEFAULT_DECODE, 4)
