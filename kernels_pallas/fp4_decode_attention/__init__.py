@@ -4,7 +4,8 @@ kernel, and an api that picks the backend. See `kernel.py` for the design and by
 from kernels_pallas.fp4_decode_attention.api import (
     DEFAULT_BLOCK_S,
     FP4_DEFAULT_BLOCK_S,
-    FP4_DEFAULT_NUM_STAGES,
+    FP4_LONG_CONTEXT_NUM_STAGES,
+    FP4_LONG_CONTEXT_SLOTS,
     FP4_TARGET_PROGRAMS,
     DecodePlan,
     bf16_decode_attention,
@@ -23,7 +24,8 @@ from kernels_pallas.fp4_decode_attention.reference import (
 __all__ = [
     "DEFAULT_BLOCK_S",
     "FP4_DEFAULT_BLOCK_S",
-    "FP4_DEFAULT_NUM_STAGES",
+    "FP4_LONG_CONTEXT_NUM_STAGES",
+    "FP4_LONG_CONTEXT_SLOTS",
     "FP4_TARGET_PROGRAMS",
     "BlockConfig",
     "DecodePlan",

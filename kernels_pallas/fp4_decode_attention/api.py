@@ -27,9 +27,11 @@ from trace_jax.models.packed_kv_cache import PackedTensorCache
 # steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2 per SM.
 DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
-# Three load stages: 0-14% faster than two at every context of both shapes measured on the H200
-# (2026-12-01, kernels_findings.md item 19); the bf16 twin keeps BlockConfig's two.
-FP4_DEFAULT_NUM_STAGES = 3
+# Three load stages from 32K slots on: 3-13% faster than two at 32K-128K in both H200 runs of
+# 2026-12-01, while at 4K-8K the two runs disagreed (-7% to +11%), so shorter caches keep
+# BlockConfig's two, as does the bf16 twin (kernels_findings.md item 19).
+FP4_LONG_CONTEXT_SLOTS = 32768
+FP4_LONG_CONTEXT_NUM_STAGES = 3
 # Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
 TARGET_PROGRAMS = 2 * NUM_SMS  # bf16 twin
@@ -208,7 +210,7 @@ def fp4_decode_attention_plan(
         num_warps=num_warps,
         num_stages=num_stages,
         default_block_s=FP4_DEFAULT_BLOCK_S,
-        default_num_stages=FP4_DEFAULT_NUM_STAGES,
+        default_num_stages=FP4_LONG_CONTEXT_NUM_STAGES if slots >= FP4_LONG_CONTEXT_SLOTS else None,
         target_programs=FP4_TARGET_PROGRAMS,
     )
 

@@ -23,7 +23,8 @@ from kernels_pallas.common import Backend
 from kernels_pallas.fp4_decode_attention import (
     DEFAULT_BLOCK_S,
     FP4_DEFAULT_BLOCK_S,
-    FP4_DEFAULT_NUM_STAGES,
+    FP4_LONG_CONTEXT_NUM_STAGES,
+    FP4_LONG_CONTEXT_SLOTS,
     FP4_TARGET_PROGRAMS,
     bf16_decode_attention,
     bf16_decode_attention_plan,
@@ -328,8 +329,16 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
     plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: auto runs the reference
     assert plan.backend is Backend.XLA and plan.fallback is None
     assert plan.config.block_s == FP4_DEFAULT_BLOCK_S and plan.config.block_g == 16
-    assert plan.config.num_stages == FP4_DEFAULT_NUM_STAGES == 3
-    assert fp4_decode_attention_plan(q, kc, vc, lengths, num_stages=2).config.num_stages == 2
+    assert plan.config.num_stages == 2  # a short cache: BlockConfig's default
+    assert fp4_decode_attention_plan(q, kc, vc, lengths, num_stages=4).config.num_stages == 4
+    # From FP4_LONG_CONTEXT_SLOTS slots on, three load stages (unless given).
+    for slots, want in ((FP4_LONG_CONTEXT_SLOTS - 128, 2), (FP4_LONG_CONTEXT_SLOTS, 3)):
+        long_kc, long_vc = (
+            PackedTensorCache.empty((3, slots, 2, kc.shape[-1]), fp4.NVFP4) for _ in range(2)
+        )
+        long_plan = fp4_decode_attention_plan(q, long_kc, long_vc, lengths)
+        assert long_plan.config.num_stages == want
+    assert FP4_LONG_CONTEXT_NUM_STAGES == 3
     # 8 * 132 target programs over B * Hkv = 6, capped at the 2 blocks of 128 in S = 150.
     assert default_k_splits(3, 2, 150, 128, FP4_TARGET_PROGRAMS) == plan.k_splits == 2
     assert default_k_splits(3, 2, 150, 64) == 3  # the bf16 twin: 264 programs, 3 blocks of 64
