@@ -88,9 +88,11 @@ def quantize_core(
     z = scales.normalize(xb, bits, s_g, fmt)
     a = jnp.minimum(jnp.abs(z), spec.max_value)
     sign = z < 0
-    idx = numerics.nearest_even_index(a, spec)
-    if rounding is not Rounding.RTN:  # the two grid neighbours to choose from
+    if rounding is Rounding.RTN:
+        idx = numerics.nearest_even_index(a, spec)
+    else:  # the two grid neighbours to choose from; nearest-even among them, as cheap here
         lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(a, spec)
+        idx = numerics.select_nearest_even(a, lo, hi, lo_idx, hi_idx)
 
     if rounding is Rounding.STOCHASTIC:
         idx = numerics.select_stochastic(a, lo, hi, lo_idx, hi_idx, u.reshape(block_shape))
