@@ -23,8 +23,9 @@ from kernels_pallas.fp4_decode_attention import kernel, reference
 from trace_jax.models.packed_kv_cache import PackedTensorCache
 
 # Default tiling per kernel, from the H200 launch sweep (experiments/results/kernels.md): the FP4
-# kernel is bound by in-register decode and gains from more resident programs (8 per SM, 128-slot
-# steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2 per SM.
+# kernel is bound by its arithmetic and load latency and gains from more resident programs (8 per
+# SM, 128-slot steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2
+# per SM.
 DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
 # Three load stages from 32K slots on: 3-13% faster than two at 32K-128K in both H200 runs of

@@ -33,8 +33,11 @@ outside, the output planes p @ v_even, p @ v_odd are interleaved after the kerne
 never interleaves nibbles; the alignment factor is undone on the scores and the output. A float32
 query runs float32 dots (IEEE, not TF32). Measured on the H200
 (experiments/results/kernels_findings.md): compare/select decode 4.0 ms at 128K (paper-like
-shape), "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, and 1.27 ms with the FP4 launch defaults; still bound
-by in-register decode (24% of the read bandwidth) and slower than the bf16 twin.
+shape), "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, 1.27-1.45 ms with the FP4 launch defaults, 1.21-1.36 ms
+with three load stages (24% of the read bandwidth), still slower than the bf16 twin. By a
+stage-by-stage ablation the word-level decode is cheap (0.10 ms of 1.30): the slot-major loads
+run at half the read bandwidth and the dots and online softmax add 0.6 ms that the FP4 bytes
+are too few to hide.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
 (Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the cache would be stored
