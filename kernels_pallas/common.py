@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as pl_triton
 
 from trace_jax.fp4 import BlockFormat, ElementType, ScaleType, numerics
+from trace_jax.fp4.scales import scale_bits_to_float32
 
 
 class Backend(enum.StrEnum):
@@ -57,9 +58,7 @@ def scale_bits(scales: jax.Array) -> jax.Array:
 
 def decode_scale_bits(bits: jax.Array, fmt: BlockFormat) -> jax.Array:
     """float32 block-scale values from uint8 bits, inside or outside a kernel."""
-    if fmt.scale is ScaleType.E8M0:
-        return numerics.decode_e8m0(bits)
-    return numerics.decode(bits, ElementType.E4M3.spec)
+    return scale_bits_to_float32(bits, fmt)
 
 
 def unpack_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:

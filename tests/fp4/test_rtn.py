@@ -173,3 +173,13 @@ def test_nearest_even_index_matches_the_grid_rule_and_ml_dtypes(name):
     lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(jnp.asarray(a), spec)
     two_neighbours = numerics.select_nearest_even(jnp.asarray(a), lo, hi, lo_idx, hi_idx)
     np.testing.assert_array_equal(got, np.asarray(two_neighbours))
+
+
+def test_decode_e4m3_bits_matches_ml_dtypes_on_all_256_patterns():
+    bits = np.arange(256, dtype=np.uint8)
+    want = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(jax.jit(numerics.decode_e4m3_bits)(bits))
+    np.testing.assert_array_equal(got, want)  # NaN positions equal too
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 for 0x80
+    generic = numerics.decode(jnp.asarray(bits), fp4.ElementType.E4M3.spec)
+    np.testing.assert_array_equal(got, np.asarray(generic))

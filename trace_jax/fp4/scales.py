@@ -105,7 +105,7 @@ def scale_bits_to_float32(bits: jax.Array, fmt: BlockFormat) -> jax.Array:
     """Block-scale bits (uint8) -> float32 values (NaN scales stay NaN)."""
     if fmt.scale is ScaleType.E8M0:
         return numerics.decode_e8m0(bits)
-    return numerics.decode(bits, _E4M3)
+    return numerics.decode_e4m3_bits(bits)
 
 
 def scales_to_float32(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
