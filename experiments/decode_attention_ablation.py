@@ -17,10 +17,11 @@ different body:
   softmax + the online softmax (rescale, exp, sums, V's row factors on p); p summed, not used;
   full    the production kernel (+ p . v, with V's layout conversion to a dot operand).
 
-Then `load` and `full` again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`:
-the programs reading one slot's strided scale pieces run together), and over a head-major copy
-of the cache ([B, Hkv, S, ...], made before timing: one program's rows contiguous, as the bf16
-twin's 256-byte rows nearly are), the same body and launch otherwise; and `full` with the output
+Then `load` and `full` again over a slot-major copy of the cache ([B, S, Hkv, ...], made before
+timing; the cache's own layout is head-major, [B, Hkv, S, ...], one program's rows contiguous:
+this pair says what that layout gains), the same body and launch otherwise, and with the kv heads
+innermost in the grid on that slot-major copy (`BlockConfig.kv_heads_inner`: the programs reading
+one slot's strided scale pieces run together); and `full` with the output
 accumulated transposed (`BlockConfig.pv_transposed`: acc^T += V^T . p^T). Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
@@ -47,14 +48,15 @@ from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 
 STAGES = ("load", "decode", "scores", "softmax", "full")
-# Stages timed again with the kv heads innermost in the grid (`BlockConfig.kv_heads_inner`).
+# Stages timed again over a slot-major copy of the cache (`slot_major`), and there with the kv
+# heads innermost in the grid (`BlockConfig.kv_heads_inner`, a slot-major remedy).
+SLOT_MAJOR_STAGES = ("load", "full")
 HEADS_INNER_STAGES = ("load", "full")
-# Stages timed again over a head-major copy of the cache (`head_major`).
-HEAD_MAJOR_STAGES = ("load", "full")
 
 
-def head_major(cache):
-    """A packed cache's arrays [B, S, Hkv, ...] moved to [B, Hkv, S, ...] (a real copy)."""
+def slot_major(cache):
+    """A packed cache's head-major arrays [B, Hkv, S, ...] copied to [B, S, Hkv, ...] (the layout
+    before kernels_findings item 14; a real copy)."""
     return jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), cache)
 
 
@@ -214,13 +216,14 @@ BODIES = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("stage", "config", "interpret", "head_major"))
+@functools.partial(jax.jit, static_argnames=("stage", "config", "interpret", "slot_major"))
 def run_stage(
-    q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bool, head_major: bool = False
+    q, k_cache, v_cache, lengths, *, stage: str, config, interpret: bool, slot_major: bool = False
 ) -> jax.Array:
     """The FP4 kernel's launch over the packed caches with `stage`'s body -> [B, H, Dh] (only
-    "full" is attention; the others return what keeps their work alive). `head_major`: the
-    caches come from `head_major(...)`."""
+    "full" is attention; the others return what keeps their work alive). `slot_major`: the
+    caches come from `slot_major(...)`."""
+    inputs = K.fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret)
     return K._flash_decode(
         q,
         lengths=lengths,
@@ -228,8 +231,7 @@ def run_stage(
         interpret=interpret,
         name=f"fp4_decode_attn_{stage}",
         body=BODIES[stage],
-        head_major=head_major,
-        **K.fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret),
+        **{**inputs, "head_major": not slot_major},
     )
 
 
@@ -261,15 +263,16 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
             )
             for option in ("kv_heads_inner", "pv_transposed")
         )
-        by_heads = functools.partial(run, head_major=True)
-        caches, heads = (kc, vc), (head_major(kc), head_major(vc))
+        by_slots = functools.partial(run, slot_major=True)
+        inner = functools.partial(inner, slot_major=True)
+        caches, slots = (kc, vc), (slot_major(kc), slot_major(vc))
         # (row name, stage, launch, caches, chained to the row above, tolerance of a `full`
         # output against the api kernel's, relative to its largest |value|).
         variants = [(f"fp4 {s}", s, run, caches, True, 0.0) for s in STAGES]
-        variants += [(f"fp4 {s}, kv heads inner", s, inner, caches, False, 0.0)
+        variants += [(f"fp4 {s}, slot-major cache", s, by_slots, slots, False, 0.0)
+                     for s in SLOT_MAJOR_STAGES]  # fmt: skip
+        variants += [(f"fp4 {s}, slot-major, kv heads inner", s, inner, slots, False, 0.0)
                      for s in HEADS_INNER_STAGES]  # fmt: skip
-        variants += [(f"fp4 {s}, head-major cache", s, by_heads, heads, False, 0.0)
-                     for s in HEAD_MAJOR_STAGES]  # fmt: skip
         # The same products summed in another order: equal to the output's rounding.
         variants += [("fp4 full, p.v transposed", "full", pv_t, caches, False, 2.0**-6)]
         scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))

@@ -169,17 +169,18 @@ def fp4_decode_attention_plan(
             raise ValueError(f"{name} must be a PackedTensorCache, got {type(cache).__name__}")
         if cache.codes.ndim != 4 or cache.codes.dtype != jnp.uint8:
             raise ValueError(
-                f"{name}.codes must be uint8 [B, S, Hkv, Dh // 2], got {cache.codes.dtype} "
+                f"{name}.codes must be uint8 [B, Hkv, S, Dh // 2], got {cache.codes.dtype} "
                 f"{cache.codes.shape}"
             )
         fmt = cache.fmt
         if not fmt.is_fp4:
             raise ValueError(f"{name} must hold an FP4 format, got {fmt.name}")
         shape = cache.shape
-        nb_shape = (*shape[:3], shape[3] // fmt.block_size)
+        rows = cache.codes.shape[:3]  # head-major [B, Hkv, S]
+        nb_shape = (*rows, shape[3] // fmt.block_size)
         if shape[3] % fmt.block_size or cache.scales.shape != nb_shape:
             raise ValueError(
-                f"{name}.scales must be [B, S, Hkv, Dh // {fmt.block_size}] = {nb_shape} "
+                f"{name}.scales must be [B, Hkv, S, Dh // {fmt.block_size}] = {nb_shape} "
                 f"for {fmt.name}, got {cache.scales.shape}"
             )
         if cache.scales.dtype != fmt.scale_dtype:
@@ -187,10 +188,10 @@ def fp4_decode_attention_plan(
                 f"{name}.scales must be {fmt.scale_dtype} for {fmt.name}, got {cache.scales.dtype}"
             )
         if fmt.has_global_scale and (
-            cache.global_scale is None or cache.global_scale.shape != (*shape[:3], 1)
+            cache.global_scale is None or cache.global_scale.shape != (*rows, 1)
         ):
             got = None if cache.global_scale is None else cache.global_scale.shape
-            raise ValueError(f"{name}.global_scale must be [B, S, Hkv, 1], got {got}")
+            raise ValueError(f"{name}.global_scale must be [B, Hkv, S, 1], got {got}")
     if k_cache.fmt != v_cache.fmt or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache ({k_cache.fmt.name} {k_cache.shape}) and v_cache ({v_cache.fmt.name} "

@@ -35,13 +35,14 @@ query runs float32 dots (IEEE, not TF32). Measured on the H200
 (experiments/results/kernels_findings.md): compare/select decode 4.0 ms at 128K (paper-like
 shape), "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, 1.27-1.45 ms with the FP4 launch defaults, 1.21-1.36 ms
 with three load stages (24% of the read bandwidth), still slower than the bf16 twin. By a
-stage-by-stage ablation the word-level decode is cheap (0.10 ms of 1.30): the slot-major loads
-run at half the read bandwidth and the dots and online softmax add 0.6 ms that the FP4 bytes
+stage-by-stage ablation the word-level decode is cheap (0.10 ms of 1.30): loads from the former
+slot-major cache ran at half the read bandwidth (a head-major copy: 73%; the cache is now stored
+head-major, `PackedTensorCache`), and the dots and online softmax add 0.6 ms that the FP4 bytes
 are too few to hide.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
-(Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the cache would be stored
-slot-major per kv head, e.g. [B, Hkv, S, Dh/2] with several slots folded into the 128 lanes, or
+(Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the head-major cache
+[B, Hkv, S, Dh/2] would be viewed with several slots folded into the 128 lanes, or
 the nibble split done on [block_s * Dh/2 / 128, 128] tiles); `lengths` as a scalar-prefetch
 argument (SMEM) instead of a 0-d block; BlockSpec-pipelined K/V blocks over an "arbitrary" grid
 axis in place of the in-kernel loop with masked loads (Mosaic has no masked `plgpu.load`), the tail
@@ -84,11 +85,11 @@ class BlockConfig:
       num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
       decode: how FP4 rows become dot operands (ignored for a bf16 cache): "f16" (word-level
         PTX to float16, float16 dots) or "e4m3" (bytes to FP8, hardware FP8 -> bf16, bf16 dots).
-      kv_heads_inner: grid order (batch, split, kv head) instead of (batch, kv head, split). The
-        cache is slot-major ([B, S, Hkv, ...]), so one program's rows of a slot are strided
-        pieces, and a slot's scale pieces (NVFP4: 8 + 4 bytes per head) are smaller than a
-        32-byte DRAM sector; with the kv heads innermost the programs sharing those sectors run
-        at the same time and the other heads' reads come from L2.
+      kv_heads_inner: grid order (batch, split, kv head) instead of (batch, kv head, split). In a
+        slot-major cache ([B, S, Hkv, ...]) one program's rows of a slot are strided pieces, and
+        a slot's scale pieces (NVFP4: 8 + 4 bytes per head) are smaller than a 32-byte DRAM
+        sector; with the kv heads innermost the programs sharing those sectors run at the same
+        time and the other heads' reads come from L2 (measured: 15% slower loads, item 13).
       pv_transposed: accumulate the output transposed, acc^T [Dh, block_g] += V^T . p^T, so the
         decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
         8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
@@ -368,8 +369,9 @@ def _flash_decode(
     `body`: the kernel body (default `_flash_decode_kernel`; the decode-attention ablation in
     `experiments/` passes cut-down bodies with the same refs to time the kernel's parts).
     `head_major`: the kv arrays are [B, Hkv, S, ...] instead, so that one program's rows are
-    contiguous (the caches here are slot-major; the ablation times this layout to see what the
-    slot-major strides cost). The kernel body sees the same [S, ...] refs either way.
+    contiguous (the packed FP4 cache is stored so; the bf16 twin reads the model's slot-major
+    bf16 cache, and the ablation times a slot-major copy of the FP4 cache to see what the layout
+    gains). The kernel body sees the same [S, ...] refs either way.
 
     With `n_planes` = 2 the kernel sees the head dim as even and odd planes (FP4 rows decode that
     way without an interleave); the output planes are interleaved back here. K and V values come
@@ -494,13 +496,13 @@ def fp4_kernel_inputs(
     fmt = k_cache.fmt
     f16 = config.decode == "f16"
     arrays = []
-    for cache in (k_cache, v_cache):
+    for cache in (k_cache, v_cache):  # head-major arrays [B, Hkv, S, ...]
         codes = cache.codes
-        if f16:  # [B, S, Hkv, NB, block / 2]: split by scale block (a free reshape)
+        if f16:  # [B, Hkv, S, NB, block / 2]: split by scale block (a free reshape)
             codes = codes.reshape(*codes.shape[:3], -1, fmt.block_size // 2)
         arrays += [codes, common.scale_bits(cache.scales)]
         if fmt.has_global_scale:
-            arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, S, Hkv]
+            arrays.append(cache.global_scale[..., 0].astype(jnp.float32))  # [B, Hkv, S]
     if f16:
         dot_dtype = jnp.float16 if q_dtype == jnp.bfloat16 else jnp.float32
         load_kv = _fp4_f16_load_kv(fmt, config.block_s, dot_dtype, inline_asm=not interpret)
@@ -509,6 +511,7 @@ def fp4_kernel_inputs(
         load_kv = _fp4_load_kv(fmt, config.block_s, dot_dtype)
     return dict(
         kv_arrays=arrays,
+        head_major=True,
         load_kv=load_kv,
         n_planes=2,
         value_factor=common.F16_ALIGN if f16 else common.E4M3_ALIGN,

@@ -25,23 +25,24 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
     def broken(*args, **kwargs):  # stands in for a body Triton cannot lower
         raise RuntimeError("simulated lowering failure")
 
-    real = abl.head_major
+    real = abl.slot_major
 
     def corrupted(cache):  # one code bit flipped everywhere: other attention
         moved = real(cache)
         return dataclasses.replace(moved, codes=moved.codes ^ 0x11)
 
     monkeypatch.setitem(abl.BODIES, "scores", broken)
-    monkeypatch.setattr(abl, "head_major", corrupted)
+    monkeypatch.setattr(abl, "slot_major", corrupted)
     rows, _ = abl.bench(quick=True, contexts=[200])  # 200: not a multiple of the block
     by_variant = {r["variant"]: r for r in rows}
-    inner = {f"fp4 {s}, kv heads inner" for s in abl.HEADS_INNER_STAGES}
-    inner |= {f"fp4 {s}, head-major cache" for s in abl.HEAD_MAJOR_STAGES}
+    inner = {f"fp4 {s}, slot-major cache" for s in abl.SLOT_MAJOR_STAGES}
+    inner |= {f"fp4 {s}, slot-major, kv heads inner" for s in abl.HEADS_INNER_STAGES}
     inner |= {"fp4 full, p.v transposed"}
     assert set(by_variant) == {*(f"fp4 {s}" for s in abl.STAGES), *inner, "bf16 twin (full)",
                                "read ceiling, FP4 bytes"}  # fmt: skip
-    assert "differs from the api kernel" in by_variant["fp4 full, head-major cache"]["error"]
-    inner.remove("fp4 full, head-major cache")
+    for corrupt in ("fp4 full, slot-major cache", "fp4 full, slot-major, kv heads inner"):
+        assert "differs from the api kernel" in by_variant[corrupt]["error"]
+        inner.remove(corrupt)
     assert all(by_variant[v]["ms"] > 0 and "added_ms" not in by_variant[v] for v in inner)
     assert "simulated lowering failure" in by_variant["fp4 scores"]["error"]
     for stage in ("load", "decode", "softmax", "full"):
@@ -53,7 +54,7 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
 
 @pytest.mark.parametrize(
     "stage, layout",
-    [*((s, "slot-major") for s in abl.STAGES), *((s, "head-major") for s in abl.HEAD_MAJOR_STAGES)],
+    [*((s, "head-major") for s in abl.STAGES), *((s, "slot-major") for s in abl.SLOT_MAJOR_STAGES)],
 )
 def test_every_stage_lowers_through_triton_without_a_gpu(h200_triton_lowering, stage, layout):
     """Each cut-down body lowers to Triton IR for an H200 at the paper-like shape (a body Triton
@@ -62,12 +63,12 @@ def test_every_stage_lowers_through_triton_without_a_gpu(h200_triton_lowering, s
     q = jax.ShapeDtypeStruct((b, hkv * g, dh), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
     cache = jax.eval_shape(lambda: PackedTensorCache.empty((b, s, hkv, dh), fp4.NVFP4))
-    if layout == "head-major":
-        cache = jax.eval_shape(abl.head_major, cache)
+    if layout == "slot-major":
+        cache = jax.eval_shape(abl.slot_major, cache)
     config = K.BlockConfig(block_s=64, chunk=128, block_g=16)
     op = functools.partial(
         abl.run_stage, stage=stage, config=config, interpret=False,
-        head_major=layout == "head-major",
+        slot_major=layout == "slot-major",
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
@@ -76,9 +77,10 @@ def test_every_stage_lowers_through_triton_without_a_gpu(h200_triton_lowering, s
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
-def test_head_major_cache_gives_the_same_attention(fmt):
-    """Over a head-major copy of the cache the production body computes the same attention, bit
-    for bit (ragged lengths, several splits, two kv heads); the copy holds the same bytes."""
+def test_slot_major_copy_gives_the_same_attention(fmt):
+    """Over a slot-major copy of the (head-major) cache the production body computes the same
+    attention, bit for bit (ragged lengths, several splits, two kv heads); the copy holds the
+    same bytes."""
     b, s, hkv, g, dh = 3, 300, 2, 4, 64
     keys = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(keys[0], (b, hkv * g, dh), jnp.bfloat16)
@@ -89,9 +91,9 @@ def test_head_major_cache_gives_the_same_attention(fmt):
     config = K.BlockConfig(block_s=64, chunk=128, block_g=8)  # 3 splits
     run = functools.partial(abl.run_stage, stage="full", config=config, interpret=True)
     want = run(q, kc, vc, lengths)
-    kh = abl.head_major(kc)
-    assert kh.codes.shape == (b, hkv, s, dh // 2)
-    assert (kh.codes[1, 0, 7] == kc.codes[1, 7, 0]).all()
-    got = run(q, kh, abl.head_major(vc), lengths, head_major=True)
+    ks = abl.slot_major(kc)
+    assert ks.codes.shape == (b, s, hkv, dh // 2)
+    assert (ks.codes[1, 7, 0] == kc.codes[1, 0, 7]).all()
+    got = run(q, ks, abl.slot_major(vc), lengths, slot_major=True)
     assert jnp.isfinite(want.astype(jnp.float32)).all()
     assert (got.astype(jnp.float32) == want.astype(jnp.float32)).all()

@@ -98,12 +98,13 @@ def _packed(x: jax.Array, fmt) -> PackedTensorCache:
 def _stale_nan(cache: PackedTensorCache, lengths: jax.Array) -> PackedTensorCache:
     """The cache with NaN scales (and global scales) at every slot >= lengths[b]."""
     stale = jnp.arange(cache.shape[1])[None, :] >= lengths[:, None]  # [B, S]
+    stale = stale[:, None, :, None]  # the head-major arrays' [B, Hkv, S, ...]
     nan_bits = 0xFF if cache.fmt.scale is fp4.ScaleType.E8M0 else 0x7F
-    bits = jnp.where(stale[:, :, None, None], nan_bits, common.scale_bits(cache.scales))
+    bits = jnp.where(stale, nan_bits, common.scale_bits(cache.scales))
     scales = jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), cache.fmt.scale_dtype)
     g = cache.global_scale
     if g is not None:
-        g = jnp.where(stale[:, :, None, None], jnp.nan, g)
+        g = jnp.where(stale, jnp.nan, g)
     return dataclasses.replace(cache, scales=scales, global_scale=g)
 
 
@@ -277,10 +278,12 @@ def test_kernel_decode_equals_cache_read(fmt):
     codes = cache.codes.reshape(-1, 32)
     bits = common.scale_bits(cache.scales).reshape(-1, 64 // fmt.block_size)
     even, odd = jax.jit(decode_fp4_planes, static_argnums=(2, 3))(codes, bits, fmt, jnp.float32)
-    values = jnp.stack([even, odd], axis=-1).reshape(x.shape) / common.E4M3_ALIGN
+    rows_shape = cache.codes.shape[:3]  # head-major [B, Hkv, S]
+    values = jnp.stack([even, odd], axis=-1).reshape(*rows_shape, 64) / common.E4M3_ALIGN
     if cache.global_scale is not None:
         values = values * cache.global_scale
     expected = jax.jit(PackedTensorCache.read, static_argnums=1)(cache, jnp.float32)
+    expected = jnp.swapaxes(expected, 1, 2)  # [B, S, Hkv, Dh] -> the arrays' [B, Hkv, S, Dh]
     # (code * scale) * global vs the reader's order of the two products: 1 ulp
     np.testing.assert_allclose(np.asarray(values), np.asarray(expected), rtol=2e-7)
 
@@ -299,7 +302,9 @@ def test_kernel_f16_decode_equals_cache_read(fmt):
     (even, odd), row = jax.jit(decode)(codes, bits, glob)
     values = jnp.stack([even, odd], axis=-1) * row[:, None, None] / common.F16_ALIGN
     expected = jax.jit(PackedTensorCache.read, static_argnums=1)(cache, jnp.float32)
-    np.testing.assert_allclose(np.asarray(values).reshape(x.shape), np.asarray(expected), rtol=2e-7)
+    expected = jnp.swapaxes(expected, 1, 2)  # [B, S, Hkv, Dh] -> the arrays' [B, Hkv, S, Dh]
+    got = np.asarray(values).reshape(*cache.codes.shape[:3], 64)
+    np.testing.assert_allclose(got, np.asarray(expected), rtol=2e-7)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from trace_jax import fp4
 from trace_jax.models import (
     ModelConfig,
+    PackedTensorCache,
     Qwen3MoE,
     decode_step,
     decode_step_jit,
@@ -144,3 +146,27 @@ def test_cache_errors(model, seqs):
         prefill(model, cache, seqs[:2, :3], jnp.array([3, 3]))
     with pytest.raises(ValueError, match=r"\[B\]"):
         decode_step(model, cache, seqs[:, :1])
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+def test_packed_cache_is_head_major_and_reads_back_the_quantizer(fmt):
+    """Writes land at (b, kv head, slot) of the head-major arrays, exactly the quantizer's packed
+    codes; out-of-range slots are dropped; `read` gives [B, S, Hkv, Dh] = the quantizer's values
+    at written slots and zeros elsewhere."""
+    b, s, hkv, dh, t = 2, 6, 3, 32, 2
+    x = 3.0 * jax.random.normal(jax.random.key(8), (b, t, hkv, dh))
+    slots = jnp.array([[4, 1], [0, s]])  # row 1's second token is out of range: dropped
+    cache = PackedTensorCache.empty((b, s, hkv, dh), fmt).write(x, slots)
+    assert cache.shape == (b, s, hkv, dh) and cache.codes.shape == (b, hkv, s, dh // 2)
+    q = fp4.quantize(x, fmt)
+    packed = np.asarray(fp4.pack_fp4(q.codes))
+    codes = np.asarray(cache.codes)
+    for bi, ti, si in ((0, 0, 4), (0, 1, 1), (1, 0, 0)):
+        for h in range(hkv):
+            np.testing.assert_array_equal(codes[bi, h, si], packed[bi, ti, h])
+    assert not codes[1, :, 1:].any() and not codes[0, :, [0, 2, 3, 5]].any()
+    got = np.asarray(cache.read(jnp.float32))
+    want = np.zeros((b, s, hkv, dh), np.float32)
+    deq = np.asarray(fp4.dequantize(q))
+    want[0, 4], want[0, 1], want[1, 0] = deq[0, 0], deq[0, 1], deq[1, 0]
+    np.testing.assert_array_equal(got, want)
