@@ -28,7 +28,7 @@ from trace_jax.models.packed_kv_cache import PackedTensorCache
 # per SM.
 DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
-# Three load stages from 32K slots on: 3-13% faster than two at 32K-128K in both H200 runs of
+# Three load stages from 32K slots on: 1-13% faster than two at 32K-128K in both H200 runs of
 # 2026-12-01, while at 4K-8K the two runs disagreed (-7% to +11%), so shorter caches keep
 # BlockConfig's two, as does the bf16 twin (kernels_findings.md item 19).
 FP4_LONG_CONTEXT_SLOTS = 32768
