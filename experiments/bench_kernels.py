@@ -191,14 +191,19 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
             # Decode variants x tile sizes side by side, each checked on the device; the fastest
             # is reported (all are in fp4_ms_by_variant, errors in fp4_rel_err_by_variant).
             fp4_by_variant, err_by_variant = {}, {}
-            # (decode, block_s, num_warps, k_splits, num_stages); None: the api's default. The
-            # first is the default launch; "e4m3" is the previous decode at the previous launch
-            # (block_s 64, 2 programs per SM).
+            # (decode, block_s, num_warps, k_splits, num_stages[, pv_transposed]); None: the
+            # api's default. The first is the default launch; "e4m3" is the previous decode at
+            # the previous launch (block_s 64, 2 programs per SM).
             two_per_sm = attn.default_k_splits(b, hkv, ctx, 64)
             variants = [("f16", None, 4, None, None), ("e4m3", 64, 4, two_per_sm, 2)]
             # At every context: longer steps and deeper load pipelining (kernels_findings
             # item 19: 256-slot steps were the fastest at 128K, paper-like shape).
             variants += [("f16", 256, 4, None, 2), ("f16", 128, 4, None, 2)]
+            # p . v accumulated transposed on the head-major cache (kernels_findings item 22).
+            variants += [
+                (*launch, True)
+                for launch in (("f16", None, 4, None, None), ("f16", 256, 4, None, 2))
+            ]
             if ctx in (32768, 131072) and (label == "paper-like" or ctx == 131072):
                 # Launch tuning where the goals are set (the first H200 sweep chose the default).
                 variants += [
@@ -208,8 +213,9 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                 ] + [("f16", 64, 4, None, 2)]
                 variants += [("f16", 256, 8, None, 2), ("f16", 128, 4, None, 4)]
                 variants += [("f16", 256, 4, None, 3)]
+            variants = [v if len(v) == 6 else (*v, None) for v in variants]
             variants = list(dict.fromkeys(variants))  # each launch timed once
-            for decode, bs, warps, splits, stages in variants[:1] if quick else variants:
+            for decode, bs, warps, splits, stages, pv_t in variants[:1] if quick else variants:
                 run_fp4 = functools.partial(
                     attn.fp4_decode_attention,
                     backend="pallas",
@@ -218,15 +224,17 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
                     num_warps=warps,
                     k_splits=splits,
                     num_stages=stages,
+                    pv_transposed=pv_t,
                 )
                 got = run_fp4(q, kc, vc, lengths)
                 plan = attn.fp4_decode_attention_plan(
                     q, kc, vc, lengths, block_s=bs, k_splits=splits, num_stages=stages,
-                    backend="pallas",
+                    pv_transposed=pv_t, backend="pallas",
                 )  # fmt: skip
                 key = (
                     f"{decode}/bs={plan.config.block_s}/warps={warps}/splits={plan.k_splits}"
                     f"/stages={plan.config.num_stages}"
+                    + ("/pvT" if plan.config.pv_transposed else "")
                 )
                 err_by_variant[key] = float(
                     jnp.linalg.norm((got - ref).astype(jnp.float32)) / ref_norm

@@ -110,6 +110,7 @@ def _plan(
     decode=None,
     num_warps=None,
     num_stages=None,
+    pv_transposed=None,
     default_block_s=DEFAULT_BLOCK_S,
     default_num_stages=None,
     target_programs=TARGET_PROGRAMS,
@@ -145,6 +146,7 @@ def _plan(
         decode=kernel.DEFAULT_DECODE if decode is None else decode,
         **({} if num_warps is None else {"num_warps": num_warps}),
         **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if pv_transposed is None else {"pv_transposed": pv_transposed}),
     )
     return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
 
@@ -162,6 +164,7 @@ def fp4_decode_attention_plan(
     decode: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pv_transposed: bool | None = None,
 ) -> DecodePlan:
     """Checks the arguments of `fp4_decode_attention` and returns the plan it runs."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -211,6 +214,7 @@ def fp4_decode_attention_plan(
         decode=decode,
         num_warps=num_warps,
         num_stages=num_stages,
+        pv_transposed=pv_transposed,
         default_block_s=FP4_DEFAULT_BLOCK_S,
         default_num_stages=FP4_LONG_CONTEXT_NUM_STAGES if slots >= FP4_LONG_CONTEXT_SLOTS else None,
         target_programs=FP4_TARGET_PROGRAMS,
@@ -230,6 +234,7 @@ def fp4_decode_attention(
     decode: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pv_transposed: bool | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over a packed FP4 KV cache.
 
@@ -246,6 +251,7 @@ def fp4_decode_attention(
       decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
         `kernel.DEFAULT_DECODE`).
       num_warps, num_stages: Triton launch parameters (defaults `kernel.BlockConfig`'s).
+      pv_transposed: accumulate p . v transposed (`kernel.BlockConfig.pv_transposed`).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.
@@ -263,6 +269,7 @@ def fp4_decode_attention(
         decode=decode,
         num_warps=num_warps,
         num_stages=num_stages,
+        pv_transposed=pv_transposed,
     )
     if plan.backend is Backend.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)

@@ -269,6 +269,21 @@ def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
     _close(got, ref, q_dtype)
 
 
+def test_api_passes_pv_transposed_to_the_kernel():
+    """`fp4_decode_attention(pv_transposed=...)` runs the kernel with that option: its output is
+    the kernel's under the transposed config, bit for bit; None keeps the plan's default."""
+    plan, op, args = _three_split_case(fp4.NVFP4, jnp.bfloat16, seed=13)
+    case = CASES["ragged_three_splits"]
+    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
+    for flag in (True, False):
+        got_plan = fp4_decode_attention_plan(*args, pv_transposed=flag, **tiling)
+        assert got_plan.config == dataclasses.replace(plan.config, pv_transposed=flag)
+        want = op(*args, config=got_plan.config, interpret=True)
+        got = fp4_decode_attention(*args, pv_transposed=flag, **tiling)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert fp4_decode_attention_plan(*args, **tiling).config == plan.config
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_kernel_decode_equals_cache_read(fmt):
     """The kernel's FP8-aligned nibble planes, times their scales and 2**6, interleaved, give the
