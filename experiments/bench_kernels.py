@@ -199,9 +199,10 @@ def bench_decode_attention(quick: bool, read_bw: float, contexts) -> list[dict]:
             # At every context: longer steps and deeper load pipelining (kernels_findings
             # item 19: 256-slot steps were the fastest at 128K, paper-like shape).
             variants += [("f16", 256, 4, None, 2), ("f16", 128, 4, None, 2)]
-            # p . v accumulated transposed on the head-major cache (kernels_findings item 22).
+            # The other p . v order than the default's (kernels_findings item 22).
+            other_pv = dh < attn.FP4_PV_TRANSPOSED_MIN_HEAD_DIM
             variants += [
-                (*launch, True)
+                (*launch, other_pv)
                 for launch in (("f16", None, 4, None, None), ("f16", 256, 4, None, 2))
             ]
             if ctx in (32768, 131072) and (label == "paper-like" or ctx == 131072):

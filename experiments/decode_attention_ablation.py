@@ -21,8 +21,9 @@ Then `load` and `full` again over a slot-major copy of the cache ([B, S, Hkv, ..
 timing; the cache's own layout is head-major, [B, Hkv, S, ...], one program's rows contiguous:
 this pair says what that layout gains), the same body and launch otherwise, and with the kv heads
 innermost in the grid on that slot-major copy (`BlockConfig.kv_heads_inner`: the programs reading
-one slot's strided scale pieces run together); and `full` with the output
-accumulated transposed (`BlockConfig.pv_transposed`: acc^T += V^T . p^T). Differences between
+one slot's strided scale pieces run together); and `full` with p . v in the other order than the
+production launch's (`BlockConfig.pv_transposed`, acc^T += V^T . p^T, the default from head_dim
+128: the paper-like shape's other row is `p.v untransposed`). Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
 bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
@@ -255,13 +256,16 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
             raise AssertionError(f"ablation 'full' differs from the api kernel by {err}")
         base = {"shape": f"B{b} H{h} Hkv{hkv} Dh{dh} nvfp4", "context": ctx}
 
-        inner, pv_t = (
+        inner, other_pv = (
             functools.partial(
                 run_stage,
-                config=dataclasses.replace(plan.config, **{option: True}),
+                config=dataclasses.replace(plan.config, **{option: value}),
                 interpret=plan.interpret,
             )
-            for option in ("kv_heads_inner", "pv_transposed")
+            for option, value in (
+                ("kv_heads_inner", True),
+                ("pv_transposed", not plan.config.pv_transposed),
+            )
         )
         by_slots = functools.partial(run, slot_major=True)
         inner = functools.partial(inner, slot_major=True)
@@ -274,7 +278,8 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
         variants += [(f"fp4 {s}, slot-major, kv heads inner", s, inner, slots, False, 0.0)
                      for s in HEADS_INNER_STAGES]  # fmt: skip
         # The same products summed in another order: equal to the output's rounding.
-        variants += [("fp4 full, p.v transposed", "full", pv_t, caches, False, 2.0**-6)]
+        other_order = "untransposed" if plan.config.pv_transposed else "transposed"
+        variants += [(f"fp4 full, p.v {other_order}", "full", other_pv, caches, False, 2.0**-6)]
         scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
         prev = None
         for name, stage, fn, (kx, vx), chained, tol in variants:

@@ -33,6 +33,9 @@ FP4_DEFAULT_BLOCK_S = 128
 # BlockConfig's two, as does the bf16 twin (kernels_findings.md item 19).
 FP4_LONG_CONTEXT_SLOTS = 32768
 FP4_LONG_CONTEXT_NUM_STAGES = 3
+# p . v accumulated transposed from head_dim 128 on: 3-11% faster at 32K-128K for G = 4 and 8
+# with head_dim 128 on the H200, 2.3-2.7x slower with head_dim 64 (kernels_findings item 22).
+FP4_PV_TRANSPOSED_MIN_HEAD_DIM = 128
 # Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
 TARGET_PROGRAMS = 2 * NUM_SMS  # bf16 twin
@@ -113,6 +116,7 @@ def _plan(
     pv_transposed=None,
     default_block_s=DEFAULT_BLOCK_S,
     default_num_stages=None,
+    default_pv_transposed=None,
     target_programs=TARGET_PROGRAMS,
 ) -> DecodePlan:
     if backend not in set(Backend):
@@ -131,6 +135,7 @@ def _plan(
         raise ValueError("the cache has no slots (S = 0)")
     block_s = default_block_s if block_s is None else block_s
     num_stages = default_num_stages if num_stages is None else num_stages
+    pv_transposed = default_pv_transposed if pv_transposed is None else pv_transposed
     if not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
     n_blocks = pl.cdiv(slots, block_s)
@@ -217,6 +222,7 @@ def fp4_decode_attention_plan(
         pv_transposed=pv_transposed,
         default_block_s=FP4_DEFAULT_BLOCK_S,
         default_num_stages=FP4_LONG_CONTEXT_NUM_STAGES if slots >= FP4_LONG_CONTEXT_SLOTS else None,
+        default_pv_transposed=head_dim >= FP4_PV_TRANSPOSED_MIN_HEAD_DIM,
         target_programs=FP4_TARGET_PROGRAMS,
     )
 
@@ -251,7 +257,8 @@ def fp4_decode_attention(
       decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
         `kernel.DEFAULT_DECODE`).
       num_warps, num_stages: Triton launch parameters (defaults `kernel.BlockConfig`'s).
-      pv_transposed: accumulate p . v transposed (`kernel.BlockConfig.pv_transposed`).
+      pv_transposed: accumulate p . v transposed (`kernel.BlockConfig.pv_transposed`; default:
+        from head_dim FP4_PV_TRANSPOSED_MIN_HEAD_DIM on).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.

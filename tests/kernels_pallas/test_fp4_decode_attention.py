@@ -25,6 +25,7 @@ from kernels_pallas.fp4_decode_attention import (
     FP4_DEFAULT_BLOCK_S,
     FP4_LONG_CONTEXT_NUM_STAGES,
     FP4_LONG_CONTEXT_SLOTS,
+    FP4_PV_TRANSPOSED_MIN_HEAD_DIM,
     FP4_TARGET_PROGRAMS,
     bf16_decode_attention,
     bf16_decode_attention_plan,
@@ -282,6 +283,22 @@ def test_api_passes_pv_transposed_to_the_kernel():
         got = fp4_decode_attention(*args, pv_transposed=flag, **tiling)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert fp4_decode_attention_plan(*args, **tiling).config == plan.config
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_pv_transposed_is_the_default_from_head_dim_128(head_dim):
+    """The FP4 plan transposes p . v from head_dim 128 on (faster there on the H200, much slower
+    at 64: kernels_findings item 22); the bf16 twin keeps the untransposed order."""
+    b, s, hkv, g = 2, 40, 2, 4
+    q = jnp.zeros((b, hkv * g, head_dim), jnp.bfloat16)
+    cache = PackedTensorCache.empty((b, s, hkv, head_dim), fp4.NVFP4)
+    lengths = jnp.full((b,), s, jnp.int32)
+    plan = fp4_decode_attention_plan(q, cache, cache, lengths, backend="pallas", interpret=True)
+    assert FP4_PV_TRANSPOSED_MIN_HEAD_DIM == 128
+    assert plan.config.pv_transposed == (head_dim >= 128)
+    kv = jnp.zeros((b, s, hkv, head_dim), jnp.bfloat16)
+    twin = bf16_decode_attention_plan(q, kv, kv, lengths, backend="pallas", interpret=True)
+    assert not twin.config.pv_transposed
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
