@@ -23,8 +23,7 @@ this pair says what that layout gains), the same body and launch otherwise, and 
 innermost in the grid on that slot-major copy (`BlockConfig.kv_heads_inner`: the programs reading
 one slot's strided scale pieces run together); and `full` with p . v in the other order than the
 production launch's (`BlockConfig.pv_transposed`, acc^T += V^T . p^T, the default from head_dim
-128: the paper-like shape's other row is `p.v untransposed`), and with the scores transposed as
-well (`BlockConfig.scores_transposed`: s^T = K . q^T, softmax over axis 0). Differences between
+128: the paper-like shape's other row is `p.v untransposed`). Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
 that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
 bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
@@ -257,16 +256,15 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
             raise AssertionError(f"ablation 'full' differs from the api kernel by {err}")
         base = {"shape": f"B{b} H{h} Hkv{hkv} Dh{dh} nvfp4", "context": ctx}
 
-        inner, other_pv, scores_t = (
+        inner, other_pv = (
             functools.partial(
                 run_stage,
-                config=dataclasses.replace(plan.config, **options),
+                config=dataclasses.replace(plan.config, **{option: value}),
                 interpret=plan.interpret,
             )
-            for options in (
-                {"kv_heads_inner": True},
-                {"pv_transposed": not plan.config.pv_transposed},
-                {"pv_transposed": True, "scores_transposed": True},
+            for option, value in (
+                ("kv_heads_inner", True),
+                ("pv_transposed", not plan.config.pv_transposed),
             )
         )
         by_slots = functools.partial(run, slot_major=True)
@@ -282,8 +280,6 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
         # The same products summed in another order: equal to the output's rounding.
         other_order = "untransposed" if plan.config.pv_transposed else "transposed"
         variants += [(f"fp4 full, p.v {other_order}", "full", other_pv, caches, False, 2.0**-6)]
-        both = "fp4 full, scores and p.v transposed"
-        variants += [(both, "full", scores_t, caches, False, 2.0**-6)]
         scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
         prev = None
         for name, stage, fn, (kx, vx), chained, tol in variants:

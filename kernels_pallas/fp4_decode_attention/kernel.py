@@ -94,11 +94,6 @@ class BlockConfig:
         decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
         8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
         in another operand order.
-      scores_transposed: compute the scores transposed too, s^T [block_s, block_g] = K . q^T, so
-        the decoded K rows are the q . k dot's first operand (M = block_s rows spread over the
-        warps, instead of M = block_g) and the probabilities come out as the p^T that the
-        transposed p . v takes; the online softmax then reduces over axis 0. Needs
-        `pv_transposed` (kernels_findings item 23).
     """
 
     block_s: int
@@ -109,7 +104,6 @@ class BlockConfig:
     decode: str = DEFAULT_DECODE
     kv_heads_inner: bool = False
     pv_transposed: bool = False
-    scores_transposed: bool = False
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -122,8 +116,6 @@ class BlockConfig:
             raise ValueError(f"block_g must be a power of two, got {self.block_g}")
         if self.decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
-        if self.scores_transposed and not self.pv_transposed:
-            raise ValueError("scores_transposed needs pv_transposed (p^T feeds V^T . p^T)")
 
     def k_splits(self, slots: int) -> int:
         return pl.cdiv(slots, self.chunk)
@@ -208,21 +200,9 @@ def decode_fp4_planes_f16(
 LoadKV = Callable[[Sequence, jax.Array, jax.Array], tuple]
 
 
-def block_scores(qs, ks, k_scale, valid, q_scale, *, transposed: bool = False) -> jax.Array:
+def block_scores(qs, ks, k_scale, valid, q_scale) -> jax.Array:
     """Scores [block_g, block_s] float32 of one block: the planes' q . k, K's row factors, the
-    query rows' scales (q_scale [block_g, 1]); -inf where the slot is not `valid`.
-
-    `transposed`: qs are the query planes transposed ([Dh / n_planes, block_g] each), q_scale is
-    [1, block_g], and the scores come out transposed, [block_s, block_g] = K . q^T.
-    """
-    if transposed:
-        s = sum(
-            jnp.dot(k, q, precision=_PRECISION, preferred_element_type=jnp.float32)
-            for q, k in zip(qs, ks, strict=True)
-        )
-        if k_scale is not None:
-            s = s * k_scale[:, None]
-        return jnp.where(valid[:, None], s * q_scale, -jnp.inf)
+    query rows' scales; -inf where the slot is not `valid`."""
     s = sum(
         jnp.dot(q, k.T, precision=_PRECISION, preferred_element_type=jnp.float32)
         for q, k in zip(qs, ks, strict=True)
@@ -232,25 +212,24 @@ def block_scores(qs, ks, k_scale, valid, q_scale, *, transposed: bool = False) -
     return jnp.where(valid[None, :], s * q_scale, -jnp.inf)
 
 
-def online_softmax_step(m, total, s, *, slots_axis: int = 1):
+def online_softmax_step(m, total, s):
     """Running max `m` and sum `total` [block_g] updated by block scores `s` -> (new max, the old
-    terms' rescale alpha, probabilities p float32 shaped like s, new sum). `slots_axis`: the
-    axis of s that runs over slots (1 for [block_g, block_s], 0 for transposed scores)."""
-    m_new = jnp.maximum(m, s.max(axis=slots_axis))
+    terms' rescale alpha, probabilities p [block_g, block_s] float32, new sum)."""
+    m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - jnp.expand_dims(m_new, slots_axis))
-    return m_new, alpha, p, alpha * total + p.sum(axis=slots_axis)
+    p = jnp.exp(s - m_new[:, None])
+    return m_new, alpha, p, alpha * total + p.sum(axis=1)
 
 
-def weight_by_v_rows(p, v_scale, dtype, *, slots_axis: int = 1):
+def weight_by_v_rows(p, v_scale, dtype):
     """p times V's row factors (none: unchanged), in `dtype` for the p . v dot, and the factor
-    taken out to be put back on the dot's result. `slots_axis` as in `online_softmax_step`."""
+    taken out to be put back on the dot's result."""
     pv_scale = 1.0
     if v_scale is not None:
         # Divided by the block's largest row factor the weights stay in [0, 1], so a float16 p
         # neither overflows nor loses range.
         pv_scale = jnp.maximum(v_scale.max(), jnp.finfo(jnp.float32).tiny)
-        p = p * jnp.expand_dims(v_scale / pv_scale, 1 - slots_axis)
+        p = p * (v_scale / pv_scale)[None, :]
     return p.astype(dtype), pv_scale
 
 
@@ -266,13 +245,12 @@ def _flash_decode_kernel(
     v_factor: float,
     split_axis: int,
     pv_transposed: bool = False,
-    scores_transposed: bool = False,
 ):
     """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l).
 
     q_scale_ref [block_g] float32 scales each query row's scores (the softmax scale times the
     factor the query was normalized by, see `_flash_decode`). `split_axis`: the grid axis that
-    numbers the splits. `pv_transposed`, `scores_transposed`: `BlockConfig`'s.
+    numbers the splits. `pv_transposed`: `BlockConfig.pv_transposed`.
     """
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
@@ -281,26 +259,22 @@ def _flash_decode_kernel(
     # Blocks holding at least one valid slot; each such block has a finite score.
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
     qs = [r[...] for r in q_refs]  # [block_g, Dh / n_planes] each, already in the dot dtype
-    block_g = qs[0].shape[0]
     q_scale = q_scale_ref[...][:, None]
-    slots_axis = 0 if scores_transposed else 1
-    if scores_transposed:  # once per program, outside the loop
-        qs, q_scale = [q.T for q in qs], q_scale.T
+    block_g = qs[0].shape[0]
 
     def body(i, carry):
         m, total, accs = carry  # running max, running sum of exp, accumulator planes
         start = chunk_start + i * block_s
         valid = start + jnp.arange(block_s, dtype=jnp.int32) < length  # [block_s]
         ks, k_scale, vs, v_scale = load_kv(kv_refs, start, valid)
-        s = block_scores(qs, ks, k_scale, valid, q_scale, transposed=scores_transposed)
-        m_new, alpha, p, total = online_softmax_step(m, total, s, slots_axis=slots_axis)
-        p, pv_scale = weight_by_v_rows(p, v_scale, vs[0].dtype, slots_axis=slots_axis)
+        s = block_scores(qs, ks, k_scale, valid, q_scale)
+        m_new, alpha, p, total = online_softmax_step(m, total, s)
+        p, pv_scale = weight_by_v_rows(p, v_scale, vs[0].dtype)
         if pv_transposed:  # acc^T [Dh / n_planes, block_g]
-            p_t = p if scores_transposed else p.T
             accs = tuple(
                 alpha[None, :] * acc
                 + pv_scale
-                * jnp.dot(v.T, p_t, precision=_PRECISION, preferred_element_type=jnp.float32)
+                * jnp.dot(v.T, p.T, precision=_PRECISION, preferred_element_type=jnp.float32)
                 for acc, v in zip(accs, vs, strict=True)
             )
         else:
@@ -311,12 +285,11 @@ def _flash_decode_kernel(
             )
         return m_new, total, accs
 
-    dp = q_refs[0].shape[1]
-    acc_shape = (dp, block_g) if pv_transposed else (block_g, dp)
+    acc_shape = (lambda r, c: (c, r)) if pv_transposed else (lambda r, c: (r, c))
     init = (
         jnp.full((block_g,), -jnp.inf, jnp.float32),
         jnp.zeros((block_g,), jnp.float32),
-        tuple(jnp.zeros(acc_shape, jnp.float32) for _ in qs),
+        tuple(jnp.zeros(acc_shape(*q.shape), jnp.float32) for q in qs),
     )
     m, total, accs = jax.lax.fori_loop(0, n_blocks, body, init)
     for acc_ref, acc in zip(acc_refs, accs, strict=True):
@@ -442,11 +415,7 @@ def _flash_decode(
             return spec((sq, sq, s, *rest), lambda i, j, _: (i, j, 0, *zeros))
         return spec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *zeros))
 
-    production = functools.partial(
-        _flash_decode_kernel,
-        pv_transposed=config.pv_transposed,
-        scores_transposed=config.scores_transposed,
-    )
+    production = functools.partial(_flash_decode_kernel, pv_transposed=config.pv_transposed)
     kernel = functools.partial(
         body or production,
         load_kv=load_kv,

@@ -37,7 +37,7 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
     by_variant = {r["variant"]: r for r in rows}
     inner = {f"fp4 {s}, slot-major cache" for s in abl.SLOT_MAJOR_STAGES}
     inner |= {f"fp4 {s}, slot-major, kv heads inner" for s in abl.HEADS_INNER_STAGES}
-    inner |= {"fp4 full, p.v transposed", "fp4 full, scores and p.v transposed"}
+    inner |= {"fp4 full, p.v transposed"}
     assert set(by_variant) == {*(f"fp4 {s}" for s in abl.STAGES), *inner, "bf16 twin (full)",
                                "read ceiling, FP4 bytes"}  # fmt: skip
     for corrupt in ("fp4 full, slot-major cache", "fp4 full, slot-major, kv heads inner"):
