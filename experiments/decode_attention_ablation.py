@@ -19,9 +19,8 @@ different body:
 
 Then `load` and `full` again over a slot-major copy of the cache ([B, S, Hkv, ...], made before
 timing; the cache's own layout is head-major, [B, Hkv, S, ...], one program's rows contiguous:
-this pair says what that layout gains), the same body and launch otherwise, and with the kv heads
-innermost in the grid on that slot-major copy (`BlockConfig.kv_heads_inner`: the programs reading
-one slot's strided scale pieces run together); and `full` with p . v in the other order than the
+this pair says what that layout gains), the same body and launch otherwise; and `full` with p . v
+in the other order than the
 production launch's (`BlockConfig.pv_transposed`, acc^T += V^T . p^T, the default from head_dim
 128: the paper-like shape's other row is `p.v untransposed`). Differences between
 consecutive rows of the default order are what each part adds (approximately: the accumulation
@@ -49,10 +48,10 @@ from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 
 STAGES = ("load", "decode", "scores", "softmax", "full")
-# Stages timed again over a slot-major copy of the cache (`slot_major`), and there with the kv
-# heads innermost in the grid (`BlockConfig.kv_heads_inner`, a slot-major remedy).
+# Stages timed again over a slot-major copy of the cache (`slot_major`). (Kv heads innermost in
+# the grid, a slot-major remedy, was timed here until 2026-12-01 and removed: loads 10-17% and
+# the kernel 1-3% slower in every run, kernels_findings item 23.)
 SLOT_MAJOR_STAGES = ("load", "full")
-HEADS_INNER_STAGES = ("load", "full")
 
 
 def slot_major(cache):
@@ -61,15 +60,13 @@ def slot_major(cache):
     return jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), cache)
 
 
-def _loop(
-    len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, split_axis, step, init, finish
-):
+def _loop(len_ref, q_scale_ref, refs, n_planes, n_kv_refs, chunk, block_s, step, init, finish):
     """The production kernel's split loop around `step(i, start, valid, qs, q_scale, carry)`;
     `finish(carry)` -> m [block_g] float32, written with zero accumulators and unit sums."""
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
     length = len_ref[()]
-    chunk_start = pl.program_id(split_axis) * chunk
+    chunk_start = pl.program_id(2) * chunk
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
     qs = [r[...] for r in q_refs]
     q_scale = q_scale_ref[...][:, None]
@@ -113,7 +110,6 @@ def _stage_body(parts: Callable) -> Callable:
         block_s,
         chunk,
         v_factor,
-        split_axis,
     ):
         del v_factor
         block_g, dp = refs[0].shape
@@ -126,7 +122,6 @@ def _stage_body(parts: Callable) -> Callable:
             n_kv_refs,
             chunk,
             block_s,
-            split_axis,
             step,
             init,
             finish,
@@ -256,27 +251,18 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
             raise AssertionError(f"ablation 'full' differs from the api kernel by {err}")
         base = {"shape": f"B{b} H{h} Hkv{hkv} Dh{dh} nvfp4", "context": ctx}
 
-        inner, other_pv = (
-            functools.partial(
-                run_stage,
-                config=dataclasses.replace(plan.config, **{option: value}),
-                interpret=plan.interpret,
-            )
-            for option, value in (
-                ("kv_heads_inner", True),
-                ("pv_transposed", not plan.config.pv_transposed),
-            )
+        other_pv = functools.partial(
+            run_stage,
+            config=dataclasses.replace(plan.config, pv_transposed=not plan.config.pv_transposed),
+            interpret=plan.interpret,
         )
         by_slots = functools.partial(run, slot_major=True)
-        inner = functools.partial(inner, slot_major=True)
         caches, slots = (kc, vc), (slot_major(kc), slot_major(vc))
         # (row name, stage, launch, caches, chained to the row above, tolerance of a `full`
         # output against the api kernel's, relative to its largest |value|).
         variants = [(f"fp4 {s}", s, run, caches, True, 0.0) for s in STAGES]
         variants += [(f"fp4 {s}, slot-major cache", s, by_slots, slots, False, 0.0)
                      for s in SLOT_MAJOR_STAGES]  # fmt: skip
-        variants += [(f"fp4 {s}, slot-major, kv heads inner", s, inner, slots, False, 0.0)
-                     for s in HEADS_INNER_STAGES]  # fmt: skip
         # The same products summed in another order: equal to the output's rounding.
         other_order = "untransposed" if plan.config.pv_transposed else "transposed"
         variants += [(f"fp4 full, p.v {other_order}", "full", other_pv, caches, False, 2.0**-6)]

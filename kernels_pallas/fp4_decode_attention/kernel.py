@@ -85,11 +85,6 @@ class BlockConfig:
       num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
       decode: how FP4 rows become dot operands (ignored for a bf16 cache): "f16" (word-level
         PTX to float16, float16 dots) or "e4m3" (bytes to FP8, hardware FP8 -> bf16, bf16 dots).
-      kv_heads_inner: grid order (batch, split, kv head) instead of (batch, kv head, split). In a
-        slot-major cache ([B, S, Hkv, ...]) one program's rows of a slot are strided pieces, and
-        a slot's scale pieces (NVFP4: 8 + 4 bytes per head) are smaller than a 32-byte DRAM
-        sector; with the kv heads innermost the programs sharing those sectors run at the same
-        time and the other heads' reads come from L2 (measured: 15% slower loads, item 13).
       pv_transposed: accumulate the output transposed, acc^T [Dh, block_g] += V^T . p^T, so the
         decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
         8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
@@ -102,7 +97,6 @@ class BlockConfig:
     num_warps: int = 4
     num_stages: int = 2
     decode: str = DEFAULT_DECODE
-    kv_heads_inner: bool = False
     pv_transposed: bool = False
 
     def __post_init__(self):
@@ -243,19 +237,18 @@ def _flash_decode_kernel(
     block_s: int,
     chunk: int,
     v_factor: float,
-    split_axis: int,
     pv_transposed: bool = False,
 ):
     """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l).
 
     q_scale_ref [block_g] float32 scales each query row's scores (the softmax scale times the
-    factor the query was normalized by, see `_flash_decode`). `split_axis`: the grid axis that
-    numbers the splits. `pv_transposed`: `BlockConfig.pv_transposed`.
+    factor the query was normalized by, see `_flash_decode`). `pv_transposed`:
+    `BlockConfig.pv_transposed`.
     """
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
     acc_refs, (m_ref, sum_ref) = refs[n_planes + n_kv_refs : -2], refs[-2:]
     length = len_ref[()]
-    chunk_start = pl.program_id(split_axis) * chunk
+    chunk_start = pl.program_id(2) * chunk  # grid (batch, kv head, split)
     # Blocks holding at least one valid slot; each such block has a finite score.
     n_blocks = jnp.clip(pl.cdiv(length - chunk_start, block_s), 0, chunk // block_s)
     qs = [r[...] for r in q_refs]  # [block_g, Dh / n_planes] each, already in the dot dtype
@@ -400,20 +393,12 @@ def _flash_decode(
     lengths = jnp.minimum(lengths.astype(jnp.int32), s)
 
     sq = pl.squeezed
-    if config.kv_heads_inner:
-        grid, split_axis = (b, k_splits, hkv), 1
-
-        def spec(shape, index_map):  # index maps below take (batch, kv head, split)
-            return pl.BlockSpec(shape, lambda i, t, j: index_map(i, j, t))
-    else:
-        grid, split_axis = (b, hkv, k_splits), 2
-        spec = pl.BlockSpec
 
     def kv_spec(a):
         rest, zeros = a.shape[3:], (0,) * (a.ndim - 3)
         if head_major:
-            return spec((sq, sq, s, *rest), lambda i, j, _: (i, j, 0, *zeros))
-        return spec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *zeros))
+            return pl.BlockSpec((sq, sq, s, *rest), lambda i, j, _: (i, j, 0, *zeros))
+        return pl.BlockSpec((sq, s, sq, *rest), lambda i, j, _: (i, 0, j, *zeros))
 
     production = functools.partial(_flash_decode_kernel, pv_transposed=config.pv_transposed)
     kernel = functools.partial(
@@ -424,19 +409,18 @@ def _flash_decode(
         block_s=config.block_s,
         chunk=config.chunk,
         v_factor=1.0 / value_factor,
-        split_axis=split_axis,
     )
-    acc_spec = spec((sq, sq, sq, bg, dp), lambda i, j, t: (i, j, t, 0, 0))
-    stat_spec = spec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0))
+    acc_spec = pl.BlockSpec((sq, sq, sq, bg, dp), lambda i, j, t: (i, j, t, 0, 0))
+    stat_spec = pl.BlockSpec((sq, sq, sq, bg), lambda i, j, t: (i, j, t, 0))
     acc_shape = jax.ShapeDtypeStruct((b, hkv, k_splits, bg, dp), jnp.float32)
     stat_shape = jax.ShapeDtypeStruct((b, hkv, k_splits, bg), jnp.float32)
     *accs, m, total = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(b, hkv, k_splits),
         in_specs=[
-            spec((sq,), lambda i, j, t: (i,)),
-            spec((sq, sq, bg), lambda i, j, t: (i, j, 0)),
-            *(spec((sq, sq, bg, dp), lambda i, j, t: (i, j, 0, 0)) for _ in q_planes),
+            pl.BlockSpec((sq,), lambda i, j, t: (i,)),
+            pl.BlockSpec((sq, sq, bg), lambda i, j, t: (i, j, 0)),
+            *(pl.BlockSpec((sq, sq, bg, dp), lambda i, j, t: (i, j, 0, 0)) for _ in q_planes),
             *(kv_spec(a) for a in kv_arrays),
         ],
         out_specs=[*(acc_spec for _ in q_planes), stat_spec, stat_spec],

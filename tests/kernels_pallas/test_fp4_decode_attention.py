@@ -240,20 +240,6 @@ def _three_split_case(fmt, q_dtype, seed: int):
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
-def test_kv_heads_inner_grid_order_changes_nothing(fmt):
-    """The grid with the kv heads innermost runs the same programs in another order: bit for bit
-    the output of the default order (several splits, ragged lengths, two kv heads)."""
-    plan, op, args = _three_split_case(fmt, jnp.bfloat16, seed=11)
-    assert not plan.config.kv_heads_inner
-    inner = dataclasses.replace(plan.config, kv_heads_inner=True)
-    want = op(*args, config=plan.config, interpret=True)
-    got = op(*args, config=inner, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    ref = _fp4_ref(*args) if fmt is not None else _bf16_ref(*args)
-    _close(got, ref, jnp.bfloat16)
-
-
-@pytest.mark.parametrize("fmt", [*FORMATS, None], ids=["nvfp4", "mxfp4", "bf16_cache"])
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
     """acc^T += V^T . p^T sums the products of acc += p . V: the default order's output to
@@ -462,7 +448,6 @@ def test_bad_options_and_bf16_inputs_raise():
         (fp4.NVFP4, "f16"),
         (fp4.MXFP4, "f16"),
         (None, None),
-        (fp4.NVFP4, "f16/heads_inner"),
         (fp4.NVFP4, "f16/pv_transposed"),
         (None, "f16/pv_transposed"),  # the bf16 cache ignores `decode`
     ],
@@ -472,7 +457,6 @@ def test_bad_options_and_bf16_inputs_raise():
         "nvfp4_f16",
         "mxfp4_f16",
         "bf16_cache",
-        "nvfp4_heads_inner",
         "nvfp4_pv_transposed",
         "bf16_pv_transposed",
     ],
@@ -489,7 +473,6 @@ def test_lowers_through_triton_without_a_gpu(h200_triton_lowering, fmt, decode):
         chunk=128,
         block_g=16,
         decode=decode,
-        kv_heads_inner=order == "heads_inner",
         pv_transposed=order == "pv_transposed",
     )
     if fmt is None:
