@@ -375,9 +375,13 @@ def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
     return KVCache(layers=tuple(layers), lengths=jnp.full((b,), ctx, jnp.int32))
 
 
-def bench_decode_step(quick: bool, contexts) -> list[dict]:
+def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list[dict]:
     """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full. Times
-    `n_steps` steps in one jitted loop and reports the time per step."""
+    `n_steps` steps in one jitted loop and reports the time per step. `backends`: the FP4
+    kernel backends timed ("pallas" is required: capture is timed on it; each FP4 variant costs
+    about a minute of compilation on the H200)."""
+    if "pallas" not in backends or not set(backends) <= {"xla", "pallas"}:
+        raise ValueError(f"backends must include 'pallas' and be among xla, pallas: {backends}")
     cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
     b = 2 if quick else 16
     n_steps = 2 if quick else 8
@@ -449,7 +453,7 @@ def bench_decode_step(quick: bool, contexts) -> list[dict]:
             "bf16_ms": 1e3 * t_bf16,
         }
         logging.info("decode step @%d: bf16 %.3f ms", ctx, 1e3 * t_bf16)
-        for kb in ("xla", "pallas"):
+        for kb in backends:
             # Logged one by one: the first H200 run spent minutes here without finishing a row.
             logging.info("decode step @%d: filling the %s FP4 cache", ctx, kb)
             cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11, extra=n_steps)
@@ -588,15 +592,16 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
             else ""
         )
     )
-    kept = {
-        r["section"]: r.get("measured_by", "?")
-        for r in q_rows + a_rows + m_rows + s_rows
-        if r in previous.get("rows", [])
-    }
-    for section, measured_by in sorted(kept.items()):
+    kept: dict[tuple[str, str], list[str]] = {}
+    for r in q_rows + a_rows + m_rows + s_rows:
+        if r in previous.get("rows", []):
+            where = " ".join(str(r[k]) for k in MERGE_KEYS.get(r["section"], ()))
+            kept.setdefault((r["section"], r.get("measured_by", "?")), []).append(where)
+    for (section, measured_by), where in sorted(kept.items()):
+        which = "" if not any(where) else f" (rows {', '.join(dict.fromkeys(where))})"
         notes += (
-            f" Section {section} is kept from an earlier run, {measured_by}; its fractions use "
-            "that run's ceilings."
+            f" Section {section}{which} is kept from an earlier run, {measured_by}; its "
+            "fractions use that run's ceilings."
         )
     results_io.write_results(
         name,
@@ -611,6 +616,25 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
 
 
 SECTIONS = ("quantize", "decode_attention", "moe", "decode_step")
+# With `keep_from`, rows of these sections are merged by these keys: a run over some contexts
+# replaces those rows and keeps the earlier run's other contexts (the decode step at five
+# contexts does not fit one GPU command). Other sections run are replaced whole.
+MERGE_KEYS = {"decode_attention": ("shape", "context"), "decode_step": ("context",)}
+
+
+def merge_rows(section: str, earlier: list[dict], new: list[dict]) -> list[dict]:
+    """`new` rows plus the `earlier` rows of `section` whose MERGE_KEYS differ from every new
+    row's, sorted by those keys (only `new` for sections without merge keys)."""
+    keys = MERGE_KEYS.get(section)
+    if not keys:
+        return new
+
+    def key(r):
+        return tuple(r[k] for k in keys)
+
+    replaced = {key(r) for r in new}
+    kept = [r for r in earlier if r.get("section") == section and key(r) not in replaced]
+    return sorted(kept + new, key=key)
 
 
 def define_flags() -> None:
@@ -621,6 +645,7 @@ def define_flags() -> None:
     flags.DEFINE_string("name", "kernels", "result file stem")
     flags.DEFINE_list("sections", list(SECTIONS), "benchmarks to run")
     flags.DEFINE_list("step_contexts", ["4096", "32768"], "contexts of the decode-step benchmark")
+    flags.DEFINE_list("step_backends", ["xla", "pallas"], "FP4 backends of the decode step")
     flags.DEFINE_string("keep_from", "", "earlier results JSON: keep its rows of sections not run")
 
 
@@ -632,13 +657,15 @@ def run(
     name: str = "kernels",
     sections: tuple[str, ...] = SECTIONS,
     step_contexts: list[str] = ("4096", "32768"),
+    step_backends: list[str] = ("xla", "pallas"),
     keep_from: str = "",
 ) -> dict:
     """Runs every benchmark and writes the results; returns the summary.
 
     `keep_from`: an earlier results JSON of this script whose rows of the sections not run now are
-    kept (so sections too long for one GPU command can run in separate commands); the notes name
-    that run's command and date.
+    kept, and of the sections run, the rows at other contexts (`MERGE_KEYS`), so sections too
+    long for one GPU command can run in separate commands; the notes name each kept row's
+    command and date.
     """
     contexts = [int(c) for c in contexts]
     previous = {}
@@ -657,7 +684,8 @@ def run(
         try:
             meta = results_io.provenance()
             measured = f"`{meta['command']}` ({meta['date']})"
-            return [{"section": section, "measured_by": measured, **r} for r in fn(*args)]
+            new = [{"section": section, "measured_by": measured, **r} for r in fn(*args)]
+            return merge_rows(section, previous.get("rows", []), new)
         except Exception:
             errors[section] = traceback.format_exc()
             logging.error("section %s failed:\n%s", section, errors[section])
@@ -667,7 +695,10 @@ def run(
         "quantize": (bench_quantize, (quick, ceil["copy_bw"])),
         "decode_attention": (bench_decode_attention, (quick, ceil["read_bw"], contexts)),
         "moe": (bench_moe, (quick,)),
-        "decode_step": (bench_decode_step, (quick, [int(c) for c in step_contexts])),
+        "decode_step": (
+            bench_decode_step,
+            (quick, [int(c) for c in step_contexts], tuple(step_backends)),
+        ),
     }
     unknown = set(sections) - set(benches)
     if unknown:
@@ -699,6 +730,7 @@ def main(argv):
         name=f.name,
         sections=f.sections,
         step_contexts=f.step_contexts,
+        step_backends=f.step_backends,
         keep_from=f.keep_from,
     )
 
