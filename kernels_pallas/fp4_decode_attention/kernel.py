@@ -31,14 +31,15 @@ FP4 decode in the kernel, two variants (`BlockConfig.decode`):
 Both contract even and odd element planes separately ([block_s, Dh/2] each; the query is split
 outside, the output planes p @ v_even, p @ v_odd are interleaved after the kernel), so the kernel
 never interleaves nibbles; the alignment factor is undone on the scores and the output. A float32
-query runs float32 dots (IEEE, not TF32). Measured on the H200
-(experiments/results/kernels_findings.md): compare/select decode 4.0 ms at 128K (paper-like
-shape), "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, 1.27-1.45 ms with the FP4 launch defaults, 1.21-1.36 ms
-with three load stages (24% of the read bandwidth), still slower than the bf16 twin. By a
-stage-by-stage ablation the word-level decode is cheap (0.10 ms of 1.30): loads from the former
-slot-major cache ran at half the read bandwidth (a head-major copy: 73%; the cache is now stored
-head-major, `PackedTensorCache`), and the dots and online softmax add 0.6 ms that the FP4 bytes
-are too few to hide.
+query runs float32 dots (IEEE, not TF32). Measured on the H200 at 128K, paper-like shape
+(experiments/results/kernels_findings.md): compare/select decode 4.0 ms, "e4m3" 1.9-2.1 ms, "f16"
+1.48 ms, 1.27-1.45 ms with the FP4 launch defaults, 1.21-1.36 ms with three load stages, 1.05 ms
+over the head-major cache (`PackedTensorCache` stores [B, Hkv, S, ...]: one program's rows
+contiguous; the slot-major layout loaded at half the read bandwidth), 1.01 ms with p . v
+transposed (`BlockConfig.pv_transposed`, the default from head_dim 128): as fast as the bf16 twin,
+29% of the read bandwidth. By a stage-by-stage ablation the loads alone now run at 76% of the
+read bandwidth (0.40 ms) and decode, q . k and the online softmax add about 0.6 ms that the FP4
+bytes are too few to hide.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
 (Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the head-major cache
@@ -88,7 +89,8 @@ class BlockConfig:
       pv_transposed: accumulate the output transposed, acc^T [Dh, block_g] += V^T . p^T, so the
         decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
         8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
-        in another operand order.
+        in another operand order. On the H200 3-11% faster with head_dim 128, 2.3-2.7x slower
+        with head_dim 64 (item 22); the api turns it on from head_dim 128.
     """
 
     block_s: int
