@@ -33,8 +33,9 @@ FP4_DEFAULT_BLOCK_S = 128
 # BlockConfig's two, as does the bf16 twin (kernels_findings.md item 19).
 FP4_LONG_CONTEXT_SLOTS = 32768
 FP4_LONG_CONTEXT_NUM_STAGES = 3
-# p . v accumulated transposed from head_dim 128 on: 3-11% faster at 32K-128K for G = 4 and 8
-# with head_dim 128 on the H200, 2.3-2.7x slower with head_dim 64 (kernels_findings item 22).
+# p . v accumulated transposed from head_dim 128 on, with the "f16" decode: 3-11% faster at
+# 32K-128K for G = 4 and 8 with head_dim 128 on the H200, 2.3-2.7x slower with head_dim 64, and
+# the "e4m3" decode 36-48% slower with it (kernels_findings item 22).
 FP4_PV_TRANSPOSED_MIN_HEAD_DIM = 128
 # Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
@@ -222,7 +223,10 @@ def fp4_decode_attention_plan(
         pv_transposed=pv_transposed,
         default_block_s=FP4_DEFAULT_BLOCK_S,
         default_num_stages=FP4_LONG_CONTEXT_NUM_STAGES if slots >= FP4_LONG_CONTEXT_SLOTS else None,
-        default_pv_transposed=head_dim >= FP4_PV_TRANSPOSED_MIN_HEAD_DIM,
+        default_pv_transposed=(
+            head_dim >= FP4_PV_TRANSPOSED_MIN_HEAD_DIM
+            and (decode or kernel.DEFAULT_DECODE) == "f16"
+        ),
         target_programs=FP4_TARGET_PROGRAMS,
     )
 
@@ -258,7 +262,7 @@ def fp4_decode_attention(
         `kernel.DEFAULT_DECODE`).
       num_warps, num_stages: Triton launch parameters (defaults `kernel.BlockConfig`'s).
       pv_transposed: accumulate p . v transposed (`kernel.BlockConfig.pv_transposed`; default:
-        from head_dim FP4_PV_TRANSPOSED_MIN_HEAD_DIM on).
+        from head_dim FP4_PV_TRANSPOSED_MIN_HEAD_DIM on with the "f16" decode).
 
     Returns:
       [B, H, Dh] in q.dtype: softmax(q k^T * Dh**-0.5) v over the valid slots.

@@ -273,8 +273,9 @@ def test_api_passes_pv_transposed_to_the_kernel():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_pv_transposed_is_the_default_from_head_dim_128(head_dim):
-    """The FP4 plan transposes p . v from head_dim 128 on (faster there on the H200, much slower
-    at 64: kernels_findings item 22); the bf16 twin keeps the untransposed order."""
+    """The FP4 plan transposes p . v from head_dim 128 on with the "f16" decode (faster there on
+    the H200, much slower at 64 or with "e4m3": kernels_findings item 22); the bf16 twin keeps
+    the untransposed order."""
     b, s, hkv, g = 2, 40, 2, 4
     q = jnp.zeros((b, hkv * g, head_dim), jnp.bfloat16)
     cache = PackedTensorCache.empty((b, s, hkv, head_dim), fp4.NVFP4)
@@ -282,6 +283,8 @@ def test_pv_transposed_is_the_default_from_head_dim_128(head_dim):
     plan = fp4_decode_attention_plan(q, cache, cache, lengths, backend="pallas", interpret=True)
     assert FP4_PV_TRANSPOSED_MIN_HEAD_DIM == 128
     assert plan.config.pv_transposed == (head_dim >= 128)
+    e4m3 = fp4_decode_attention_plan(q, cache, cache, lengths, decode="e4m3", interpret=True)
+    assert not e4m3.config.pv_transposed  # slower with the FP8 decode
     kv = jnp.zeros((b, s, hkv, head_dim), jnp.bfloat16)
     twin = bf16_decode_attention_plan(q, kv, kv, lengths, backend="pallas", interpret=True)
     assert not twin.config.pv_transposed
