@@ -7,7 +7,10 @@ Rules:
   NVFP4:       s_g = amax_global / (6 * 448);  s_b = e4m3(amax_block / (6 * s_g)), RNE, <= 448.
 Float32 recipe (what "/" means above, bit for bit): `s_g = amax * f32(1/2688)`,
 `s_b = e4m3(amax_b * (1 / f32(6 * s_g)))`, `x / scale = x * (1 / f32(s_b * s_g))`: every division
-is a correctly rounded reciprocal followed by a multiplication.
+is a float32 reciprocal followed by a multiplication. The reciprocal is correctly rounded on the
+CPU; on NVIDIA GPUs XLA and Pallas (Triton) both compute it with `div.full.f32`, one ulp off in
+13% of cases on the H200 but the same bits in both (experiments/results/gpu_division.md), so
+NVFP4 rollouts and training on one GPU agree, while CPU and GPU can differ in rare elements.
 Edge cases (documented contract, mirrored by the float64 test reference):
   * an all-zero block gets the smallest scale (E8M0 2**-127, E4M3 2**-9) and codes 0;
   * an NVFP4 block scale that rounds to zero is raised to 2**-9; a global amax of zero gives
@@ -34,7 +37,8 @@ _MIN_GLOBAL_SCALE = 2.0**-117
 
 
 def reciprocal(d: jax.Array) -> jax.Array:
-    """Correctly rounded float32 `1 / d`.
+    """Float32 `1 / d`: correctly rounded on the CPU, `div.full.f32` (within one ulp) on NVIDIA
+    GPUs under XLA and Pallas alike (see the module docstring).
 
     Scaling multiplies by this reciprocal instead of dividing: XLA may rewrite a division by a
     broadcast value into exactly this form anyway, so writing it explicitly pins the arithmetic.
