@@ -22,10 +22,11 @@ timing; the cache's own layout is head-major, [B, Hkv, S, ...], one program's ro
 this pair says what that layout gains), the same body and launch otherwise; and `full` with p . v
 in the other order than the production launch's (`BlockConfig.pv_transposed`, acc^T += V^T . p^T,
 the default from head_dim 128: the paper-like shape's other row is `p.v untransposed`).
-Differences between consecutive rows of the default order are what each part adds (approximately: the accumulation
-that keeps a stage's loads alive costs a little of its own). Beside them: the bf16 twin over the
-bf16 cache and the read ceiling of the same run. Paper-like shape: batch 16, 32 query heads, 4 KV
-heads, head_dim 128. Writes `<outdir>/decode_attention_ablation.{md,json}`.
+Differences between consecutive rows of the default order are what each part adds
+(approximately: the accumulation that keeps a stage's loads alive costs a little of its own).
+Beside them: the bf16 twin over the bf16 cache and the read ceiling of the same run. Paper-like
+shape: batch 16, 32 query heads, 4 KV heads, head_dim 128. Writes
+`<outdir>/decode_attention_ablation.{md,json}`.
 """
 
 from __future__ import annotations

@@ -10,46 +10,24 @@ changes its division alone.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
+from experiments import platform_numerics as pn
 from trace_jax.fp4 import scales
-
-N = 1 << 20
-BLOCK = 1024
-
-
-def _divisors(n: int = N) -> np.ndarray:
-    """Random float32 divisors over 2**-60 .. 2**60 (the range of NVFP4 combined scales)."""
-    rng = np.random.default_rng(0)
-    return (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
-
-
-def _pallas_reciprocal(d: jax.Array, interpret: bool) -> jax.Array:
-    def kernel(d_ref, o_ref):
-        o_ref[...] = scales.reciprocal(d_ref[...])
-
-    spec = pl.BlockSpec((BLOCK,), lambda i: (i,))
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(d.shape, jnp.float32),
-        grid=(d.size // BLOCK,),
-        in_specs=[spec],
-        out_specs=spec,
-        interpret=interpret,
-    )(d)
 
 
 def test_cpu_reciprocal_is_correctly_rounded():
     """Under jit on the CPU, XLA and the Pallas kernel in interpret mode: numpy's IEEE float32
     1 / d, bit for bit."""
-    d = _divisors(1 << 16)
+    d = pn.divisors(1 << 16)
     with jax.default_device(jax.devices("cpu")[0]):
         xla = jax.jit(scales.reciprocal)(jnp.asarray(d))
-        kernel = _pallas_reciprocal(jnp.asarray(d), interpret=True)
+        kernel = pn.pallas_reciprocal(jnp.asarray(d), interpret=True)
     np.testing.assert_array_equal(np.asarray(xla), np.float32(1) / d)
     np.testing.assert_array_equal(np.asarray(kernel), np.float32(1) / d)
 
@@ -57,10 +35,23 @@ def test_cpu_reciprocal_is_correctly_rounded():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_gpu_xla_and_pallas_reciprocals_agree():
     """XLA's and the Pallas kernel's float32 reciprocals are the same bits on the GPU (both
-    `div.full.f32` today); how many differ from IEEE is printed for the record."""
-    d = jnp.asarray(_divisors())
-    xla = np.asarray(jax.jit(scales.reciprocal)(d))
-    kernel = np.asarray(_pallas_reciprocal(d, interpret=False))
-    ieee = np.float32(1) / np.asarray(d)
-    print(f"of {N}: XLA != IEEE {(xla != ieee).sum()}, Pallas != IEEE {(kernel != ieee).sum()}")
-    np.testing.assert_array_equal(kernel, xla)
+    `div.full.f32` today)."""
+    row = pn.reciprocal_row(1 << 20)
+    print(row)
+    assert row["pallas_vs_xla"] == 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the smoke run compares CPU with CPU")
+def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
+    """On a CPU-only machine both sides are the CPU: every count is zero, for both formats and
+    both tensor kinds, and the results are written."""
+    rows = pn.run(quick=True, outdir=str(tmp_path), name="p")
+    assert [r["check"] for r in rows] == ["reciprocal", *["quantize"] * 4]
+    assert {(r["format"], r["tensor"].split()[0]) for r in rows[1:]} == {
+        (f, k) for f in ("nvfp4", "mxfp4") for k in ("normal", "student_t3")
+    }
+    counts = [v for r in rows for k, v in r.items() if k.endswith(("_ieee", "_xla", "differ"))]
+    assert len(counts) == 3 + 4 * 2 + 2 and not any(counts)
+    assert all(r["max_abs_dequantized_diff"] == 0.0 for r in rows[1:])
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert len(data["rows"]) == 5

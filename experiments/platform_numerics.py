@@ -1,0 +1,149 @@
+"""Does the quantizer give the same bits on the accelerator as on the CPU?
+
+The one float32 operation in `trace_jax.fp4` that is not exact by construction is the reciprocal
+of the NVFP4 scales (`scales.reciprocal`). On NVIDIA GPUs both XLA and Pallas' Triton lowering
+compute it with the approximate `div.full.f32` (kernels_findings item 24). This script measures,
+on the default device against the host CPU of the same run:
+
+  reciprocal   float32 1 / d for random d over 2**-60 .. 2**60: XLA and a Pallas kernel on the
+               device against numpy's IEEE quotient, and against each other;
+  quantize     `fp4.quantize` (RTN) of random bf16 tensors (normal and heavy-tailed Student-t)
+               on the device against the same call on the CPU: differing codes, block-scale bits,
+               NVFP4 global scales, and the largest dequantized difference.
+
+On a CPU-only machine both sides are the CPU (a smoke run: every count must be zero). Writes
+`<outdir>/<name>.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from jax.experimental import pallas as pl
+
+from experiments import results_io
+from trace_jax import fp4
+from trace_jax.fp4 import scales
+
+_BLOCK = 1024
+
+
+def divisors(n: int, seed: int = 0) -> np.ndarray:
+    """n random float32 divisors, mantissas uniform in [1, 2), exponents in [-60, 60)."""
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+
+
+def pallas_reciprocal(d: jax.Array, *, interpret: bool) -> jax.Array:
+    """`scales.reciprocal` inside a Pallas kernel: float32 [n] (n a multiple of 1024)."""
+
+    def kernel(d_ref, o_ref):
+        o_ref[...] = scales.reciprocal(d_ref[...])
+
+    spec = pl.BlockSpec((_BLOCK,), lambda i: (i,))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(d.shape, jnp.float32),
+        grid=(d.size // _BLOCK,),
+        in_specs=[spec],
+        out_specs=spec,
+        interpret=interpret,
+    )(d)
+
+
+def reciprocal_row(n: int) -> dict:
+    d = divisors(n)
+    ieee = np.float32(1) / d
+    on_device = jnp.asarray(d)
+    xla = np.asarray(jax.jit(scales.reciprocal)(on_device))
+    interpret = jax.default_backend() == "cpu"
+    kernel = np.asarray(pallas_reciprocal(on_device, interpret=interpret))
+    return {
+        "check": "reciprocal",
+        "elements": n,
+        "xla_vs_ieee": int((xla != ieee).sum()),
+        "pallas_vs_ieee": int((kernel != ieee).sum()),
+        "pallas_vs_xla": int((kernel != xla).sum()),
+    }
+
+
+def _tensor(kind: str, shape: tuple[int, int], seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) if kind == "normal" else rng.standard_t(3, shape)
+    return x.astype(jnp.bfloat16)
+
+
+def quantize_rows(shape: tuple[int, int]) -> list[dict]:
+    """`fp4.quantize` on the default device vs the CPU, per tensor kind and format."""
+    cpu = jax.devices("cpu")[0]
+    rows = []
+    for seed, kind in enumerate(("normal", "student_t3")):
+        x = _tensor(kind, shape, seed)
+        for fmt in (fp4.NVFP4, fp4.MXFP4):
+            run = jax.jit(lambda a, f=fmt: fp4.quantize(a, f))
+            here = run(jnp.asarray(x))
+            there = run(jax.device_put(x, cpu))
+            deq_here = np.asarray(fp4.dequantize(here))
+            deq_there = np.asarray(jax.jit(fp4.dequantize)(there))
+            row = {
+                "check": "quantize",
+                "tensor": f"{kind} {shape[0]}x{shape[1]} bf16",
+                "format": fmt.name,
+                "elements": x.size,
+                "codes_differ": int((np.asarray(here.codes) != np.asarray(there.codes)).sum()),
+                "scales_differ": int(
+                    (
+                        np.asarray(scales.to_bits(here.scales))
+                        != np.asarray(scales.to_bits(there.scales))
+                    ).sum()
+                ),
+                "max_abs_dequantized_diff": float(np.nanmax(np.abs(deq_here - deq_there))),
+            }
+            if fmt.has_global_scale:
+                row["global_scales_differ"] = int(
+                    (np.asarray(here.global_scale) != np.asarray(there.global_scale)).sum()
+                )
+            rows.append(row)
+            logging.info("%s", row)
+    return rows
+
+
+def run(*, quick: bool, outdir: str, name: str) -> list[dict]:
+    n, shape = (1 << 14, (64, 256)) if quick else (1 << 22, (8192, 4096))
+    rows = [reciprocal_row(n)]
+    logging.info("%s", rows[0])
+    rows += quantize_rows(shape)
+    device = jax.devices()[0]
+    cols = ["check", "tensor", "format", "elements", "xla_vs_ieee", "pallas_vs_ieee"]
+    cols += ["pallas_vs_xla", "codes_differ", "scales_differ", "global_scales_differ"]
+    cols += ["max_abs_dequantized_diff"]
+    results_io.write_results(
+        name,
+        rows,
+        title="The quantizer's bits on the device against the CPU",
+        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        notes=(
+            f"Device {getattr(device, 'device_kind', device.platform)} against the host CPU of "
+            "the same run (module docstring of `experiments/platform_numerics.py`). reciprocal: "
+            "counts of float32 1 / d differing from numpy's IEEE quotient, and XLA's from the "
+            "Pallas kernel's; quantize: counts of differing codes, scale bits and global scales."
+            + (" QUICK MODE: small sizes." if quick else "")
+        ),
+        outdir=outdir,
+    )
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    run(quick=f.quick, outdir=f.outdir, name=f.name)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_bool("quick", False, "small sizes (a smoke run)")
+    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "platform_numerics", "result file stem")
+    app.run(main)
