@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import traceback
 
 import jax
@@ -355,6 +356,19 @@ def bench_moe(quick: bool) -> list[dict]:
     return out
 
 
+class Laps:
+    """Wall seconds between successive calls: `lap(part)` records the time since the previous
+    call (or since construction) in `seconds[part]`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part], self._last = now - self._last, now
+
+
 def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
     """A cache holding `ctx` random tokens per sequence (as if prefilled) and `extra` free slots,
     bf16 or packed FP4."""
@@ -432,7 +446,11 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
             _, _, rows, logits = jax.lax.fori_loop(0, n_steps, body, init)
             return logits, rows
 
+        # Wall seconds of each part (filling, compiling, warm-up and timing): what a GPU command's
+        # time goes to (each FP4 variant took about a minute on the H200, mostly not the timing).
+        lap = Laps()
         bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
+        lap("fill bf16")
         t_bf16 = (
             _time(
                 quick,
@@ -452,11 +470,13 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
             "steps_per_call": n_steps,
             "bf16_ms": 1e3 * t_bf16,
         }
+        lap("bf16")
         logging.info("decode step @%d: bf16 %.3f ms", ctx, 1e3 * t_bf16)
         for kb in backends:
             # Logged one by one: the first H200 run spent minutes here without finishing a row.
             logging.info("decode step @%d: filling the %s FP4 cache", ctx, kb)
             cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11, extra=n_steps)
+            lap(f"fill {kb}")
             variants = [("no capture", False, False), ("compact", True, False)]
             variants += [("full", True, True)]
             for label, capture, full in variants if kb == "pallas" else variants[:1]:
@@ -475,12 +495,17 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
                     / n_steps
                 )
                 row[f"fp4_{kb}_{label}_ms"] = 1e3 * t
-                logging.info("decode step @%d: fp4 %s %s %.3f ms", ctx, kb, label, 1e3 * t)
+                lap(f"fp4 {kb} {label}")
+                logging.info(
+                    "decode step @%d: fp4 %s %s %.3f ms (%.0f s wall)",
+                    ctx, kb, label, 1e3 * t, lap.seconds[f"fp4 {kb} {label}"],
+                )  # fmt: skip
             base = row[f"fp4_{kb}_no capture_ms"]
             row[f"fp4_{kb}_speedup_vs_bf16"] = t_bf16 * 1e3 / base
         base = row["fp4_pallas_no capture_ms"]
         row["fp4_pallas_compact_overhead"] = row["fp4_pallas_compact_ms"] / base - 1
         row["fp4_pallas_full_overhead"] = row["fp4_pallas_full_ms"] / base - 1
+        row["wall_s_by_part"] = lap.seconds
         out.append(row)
         logging.info("%s", row)
     return out

@@ -28,6 +28,12 @@ def test_bench_kernels_quick(tmp_path):
         pallas = [r for r in quantize if r["format"] == fmt and r["backend"] == "pallas"]
         assert len(pallas) >= 2 and sum(r["fastest"] for r in pallas) == 1
         assert frac == max(r["bandwidth_fraction_of_copy"] for r in pallas)
+    # Each decode-step row says where the command's time went, part by part.
+    (step,) = [r for r in data["rows"] if r["section"] == "decode_step"]
+    parts = ["fill bf16", "bf16", "fill xla", "fp4 xla no capture", "fill pallas"]
+    parts += [f"fp4 pallas {v}" for v in ("no capture", "compact", "full")]
+    assert list(step["wall_s_by_part"]) == parts
+    assert all(t > 0 for t in step["wall_s_by_part"].values())
 
 
 def test_mark_fastest_marks_the_quickest_launch_only():
