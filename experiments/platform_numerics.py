@@ -9,13 +9,18 @@ on the default device against the host CPU of the same run:
                device against numpy's IEEE quotient, and against each other;
   quantize     `fp4.quantize` (RTN) of random bf16 tensors (normal and heavy-tailed Student-t)
                on the device against the same call on the CPU: differing codes, block-scale bits,
-               NVFP4 global scales, and the largest dequantized difference.
+               NVFP4 global scales, and the largest dequantized difference;
+  sensitivity  on the CPU: NVFP4 quantization with every reciprocal moved one ulp up (or down)
+               against the IEEE one, an upper bound per reciprocal error of what the GPU's
+               `div.full.f32` can change (`scales.reciprocal` patched for the call).
 
-On a CPU-only machine both sides are the CPU (a smoke run: every count must be zero). Writes
-`<outdir>/<name>.{md,json}`.
+On a CPU-only machine the first two compare the CPU with itself (a smoke run: every count must be
+zero). Writes `<outdir>/<name>.{md,json}`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -110,15 +115,69 @@ def quantize_rows(shape: tuple[int, int]) -> list[dict]:
     return rows
 
 
-def run(*, quick: bool, outdir: str, name: str) -> list[dict]:
+@contextlib.contextmanager
+def _reciprocal_moved(ulps: int):
+    """`scales.reciprocal` returning the IEEE reciprocal moved `ulps` (+1 / -1) ulp."""
+    ieee = scales.reciprocal
+    toward = jnp.inf if ulps > 0 else 0.0
+    scales.reciprocal = lambda d: jnp.nextafter(ieee(d), jnp.float32(toward))
+    try:
+        yield
+    finally:
+        scales.reciprocal = ieee
+
+
+def sensitivity_rows(shape: tuple[int, int]) -> list[dict]:
+    """NVFP4 on the CPU: codes and block scales that change when every reciprocal is one ulp
+    up or down."""
+    cpu = jax.devices("cpu")[0]
+    rows = []
+    for seed, kind in enumerate(("normal", "student_t3")):
+        x = jax.device_put(_tensor(kind, shape, seed), cpu)
+
+        def quantized(a):
+            q = jax.jit(lambda v: fp4.quantize(v, fp4.NVFP4))(a)
+            return np.asarray(q.codes), np.asarray(scales.to_bits(q.scales))
+
+        codes, bits = quantized(x)
+        for ulps in (1, -1):
+            with _reciprocal_moved(ulps):
+                moved_codes, moved_bits = quantized(x)
+            rows.append(
+                {
+                    "check": f"sensitivity, reciprocals {ulps:+d} ulp",
+                    "tensor": f"{kind} {shape[0]}x{shape[1]} bf16",
+                    "format": fp4.NVFP4.name,
+                    "elements": x.size,
+                    "codes_differ": int((moved_codes != codes).sum()),
+                    "scales_differ": int((moved_bits != bits).sum()),
+                }
+            )
+            logging.info("%s", rows[-1])
+    return rows
+
+
+SECTIONS = ("reciprocal", "quantize", "sensitivity")
+
+
+def run(*, quick: bool, outdir: str, name: str, sections: tuple[str, ...] = SECTIONS) -> list[dict]:
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     n, shape = (1 << 14, (64, 256)) if quick else (1 << 22, (8192, 4096))
-    rows = [reciprocal_row(n)]
-    logging.info("%s", rows[0])
-    rows += quantize_rows(shape)
+    rows = []
+    if "reciprocal" in sections:
+        rows.append(reciprocal_row(n))
+        logging.info("%s", rows[-1])
+    if "quantize" in sections:
+        rows += quantize_rows(shape)
+    if "sensitivity" in sections:
+        rows += sensitivity_rows(shape)
     device = jax.devices()[0]
     cols = ["check", "tensor", "format", "elements", "xla_vs_ieee", "pallas_vs_ieee"]
     cols += ["pallas_vs_xla", "codes_differ", "scales_differ", "global_scales_differ"]
     cols += ["max_abs_dequantized_diff"]
+    cols = [c for c in cols if any(c in r for r in rows)]  # the sections run
     results_io.write_results(
         name,
         rows,
@@ -128,8 +187,9 @@ def run(*, quick: bool, outdir: str, name: str) -> list[dict]:
             f"Device {getattr(device, 'device_kind', device.platform)} against the host CPU of "
             "the same run (module docstring of `experiments/platform_numerics.py`). reciprocal: "
             "counts of float32 1 / d differing from numpy's IEEE quotient, and XLA's from the "
-            "Pallas kernel's; quantize: counts of differing codes, scale bits and global scales."
-            + (" QUICK MODE: small sizes." if quick else "")
+            "Pallas kernel's; quantize: counts of differing codes, scale bits and global scales; "
+            "sensitivity (CPU only): NVFP4 codes and block scales that change when every "
+            "reciprocal is moved one ulp." + (" QUICK MODE: small sizes." if quick else "")
         ),
         outdir=outdir,
     )
@@ -139,11 +199,12 @@ def run(*, quick: bool, outdir: str, name: str) -> list[dict]:
 def main(argv):
     del argv
     f = flags.FLAGS
-    run(quick=f.quick, outdir=f.outdir, name=f.name)
+    run(quick=f.quick, outdir=f.outdir, name=f.name, sections=tuple(f.sections))
 
 
 if __name__ == "__main__":
     flags.DEFINE_bool("quick", False, "small sizes (a smoke run)")
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "platform_numerics", "result file stem")
+    flags.DEFINE_list("sections", list(SECTIONS), "checks to run")
     app.run(main)

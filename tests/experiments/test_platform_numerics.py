@@ -45,7 +45,7 @@ def test_gpu_xla_and_pallas_reciprocals_agree():
 def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
     """On a CPU-only machine both sides are the CPU: every count is zero, for both formats and
     both tensor kinds, and the results are written."""
-    rows = pn.run(quick=True, outdir=str(tmp_path), name="p")
+    rows = pn.run(quick=True, outdir=str(tmp_path), name="p", sections=("reciprocal", "quantize"))
     assert [r["check"] for r in rows] == ["reciprocal", *["quantize"] * 4]
     assert {(r["format"], r["tensor"].split()[0]) for r in rows[1:]} == {
         (f, k) for f in ("nvfp4", "mxfp4") for k in ("normal", "student_t3")
@@ -55,3 +55,19 @@ def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
     assert all(r["max_abs_dequantized_diff"] == 0.0 for r in rows[1:])
     data = json.loads((tmp_path / "p.json").read_text())
     assert len(data["rows"]) == 5
+    with pytest.raises(ValueError, match="unknown sections"):
+        pn.run(quick=True, outdir=str(tmp_path), name="p", sections=("division",))
+
+
+def test_one_ulp_in_the_reciprocal_changes_some_nvfp4_blocks():
+    """The sensitivity check moves every reciprocal one ulp each way: on a million bf16 values
+    some NVFP4 codes and block scales change (midpoint ties of bf16 data are common), most do
+    not, and `scales.reciprocal` is the IEEE one again afterwards."""
+    ieee = scales.reciprocal
+    rows = pn.sensitivity_rows((256, 4096))
+    assert scales.reciprocal is ieee
+    moved = [f"sensitivity, reciprocals {u} ulp" for u in ("+1", "-1")]
+    assert [r["check"] for r in rows] == moved * 2
+    for r in rows:
+        assert 0 < r["codes_differ"] < r["elements"] // 100
+        assert 0 < r["scales_differ"] < r["elements"] // 16 // 100
