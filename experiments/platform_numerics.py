@@ -10,9 +10,10 @@ on the default device against the host CPU of the same run:
   quantize     `fp4.quantize` (RTN) of random bf16 tensors (normal and heavy-tailed Student-t)
                on the device against the same call on the CPU: differing codes, block-scale bits,
                NVFP4 global scales, and the largest dequantized difference;
-  sensitivity  on the CPU: NVFP4 quantization with every reciprocal moved one ulp up (or down)
-               against the IEEE one, an upper bound per reciprocal error of what the GPU's
-               `div.full.f32` can change (`scales.reciprocal` patched for the call).
+  sensitivity  on the CPU: NVFP4 quantization, RTN and guided, with every reciprocal moved one
+               ulp up (or down) against the IEEE one, an upper bound per reciprocal error of
+               what the GPU's `div.full.f32` can change (`scales.reciprocal` patched for the
+               call).
 
 On a CPU-only machine the first two compare the CPU with itself (a smoke run: every count must be
 zero). Writes `<outdir>/<name>.{md,json}`.
@@ -129,31 +130,43 @@ def _reciprocal_moved(ulps: int):
 
 def sensitivity_rows(shape: tuple[int, int]) -> list[dict]:
     """NVFP4 on the CPU: codes and block scales that change when every reciprocal is one ulp
-    up or down."""
+    up or down, for RTN and for guided rounding (compact guidance from the IEEE RTN rollout of
+    the same tensor, which the guided trainer then reproduces exactly with IEEE reciprocals)."""
     cpu = jax.devices("cpu")[0]
     rows = []
     for seed, kind in enumerate(("normal", "student_t3")):
         x = jax.device_put(_tensor(kind, shape, seed), cpu)
+        rollout = jax.jit(lambda v: fp4.quantize(v, fp4.NVFP4))(x)
+        guidance = fp4.make_guidance(rollout, "compact")
+        modes = {
+            "rtn": lambda v: fp4.quantize(v, fp4.NVFP4),
+            "guided": lambda v, g=guidance: fp4.quantize(
+                v, fp4.NVFP4, rounding="guided", guidance=g
+            ),
+        }
+        for mode, quantize in modes.items():
 
-        def quantized(a):
-            q = jax.jit(lambda v: fp4.quantize(v, fp4.NVFP4))(a)
-            return np.asarray(q.codes), np.asarray(scales.to_bits(q.scales))
+            def quantized(a, quantize=quantize):
+                # A new function object each call: jit traces again, under the patch if any (the
+                # same `quantize` would reuse its first trace, IEEE reciprocals baked in).
+                q = jax.jit(lambda v: quantize(v))(a)
+                return np.asarray(q.codes), np.asarray(scales.to_bits(q.scales))
 
-        codes, bits = quantized(x)
-        for ulps in (1, -1):
-            with _reciprocal_moved(ulps):
-                moved_codes, moved_bits = quantized(x)
-            rows.append(
-                {
-                    "check": f"sensitivity, reciprocals {ulps:+d} ulp",
-                    "tensor": f"{kind} {shape[0]}x{shape[1]} bf16",
-                    "format": fp4.NVFP4.name,
-                    "elements": x.size,
-                    "codes_differ": int((moved_codes != codes).sum()),
-                    "scales_differ": int((moved_bits != bits).sum()),
-                }
-            )
-            logging.info("%s", rows[-1])
+            codes, bits = quantized(x)
+            for ulps in (1, -1):
+                with _reciprocal_moved(ulps):
+                    moved_codes, moved_bits = quantized(x)
+                rows.append(
+                    {
+                        "check": f"sensitivity, {mode}, reciprocals {ulps:+d} ulp",
+                        "tensor": f"{kind} {shape[0]}x{shape[1]} bf16",
+                        "format": fp4.NVFP4.name,
+                        "elements": x.size,
+                        "codes_differ": int((moved_codes != codes).sum()),
+                        "scales_differ": int((moved_bits != bits).sum()),
+                    }
+                )
+                logging.info("%s", rows[-1])
     return rows
 
 

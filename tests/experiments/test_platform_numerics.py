@@ -61,13 +61,20 @@ def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
 
 def test_one_ulp_in_the_reciprocal_changes_some_nvfp4_blocks():
     """The sensitivity check moves every reciprocal one ulp each way: on a million bf16 values
-    some NVFP4 codes and block scales change (midpoint ties of bf16 data are common), most do
-    not, and `scales.reciprocal` is the IEEE one again afterwards."""
+    some RTN codes and block scales change (midpoint ties of bf16 data are common), most do not;
+    guided rounding keeps the rollout's codes (its scales are the rollout's, and a one-ulp move
+    of x / scale leaves the rollout's code among the two neighbours, the one with its bit);
+    `scales.reciprocal` is the IEEE one afterwards."""
     ieee = scales.reciprocal
     rows = pn.sensitivity_rows((256, 4096))
     assert scales.reciprocal is ieee
-    moved = [f"sensitivity, reciprocals {u} ulp" for u in ("+1", "-1")]
-    assert [r["check"] for r in rows] == moved * 2
+    moved = [f"sensitivity, {m}, reciprocals {u} ulp" for m in ("rtn", "guided") for u in "+-"]
+    assert [r["check"] for r in rows] == [
+        m.replace("+", "+1").replace("-", "-1") for m in moved
+    ] * 2
     for r in rows:
-        assert 0 < r["codes_differ"] < r["elements"] // 100
-        assert 0 < r["scales_differ"] < r["elements"] // 16 // 100
+        if "rtn" in r["check"]:
+            assert 0 < r["codes_differ"] < r["elements"] // 100
+            assert 0 < r["scales_differ"] < r["elements"] // 16 // 100
+        else:  # the rollout's scales, and the neighbour with the rollout's bit is its code
+            assert r["scales_differ"] == 0 and r["codes_differ"] == 0
