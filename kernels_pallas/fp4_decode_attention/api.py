@@ -137,6 +137,8 @@ def _plan(
     block_s = default_block_s if block_s is None else block_s
     num_stages = default_num_stages if num_stages is None else num_stages
     pv_transposed = default_pv_transposed if pv_transposed is None else pv_transposed
+    if pv_transposed is not None and not isinstance(pv_transposed, bool):
+        raise ValueError(f"pv_transposed must be a bool or None, got {pv_transposed!r}")
     if not isinstance(block_s, int) or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
     n_blocks = pl.cdiv(slots, block_s)

@@ -269,6 +269,8 @@ def test_api_passes_pv_transposed_to_the_kernel():
         got = fp4_decode_attention(*args, pv_transposed=flag, **tiling)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert fp4_decode_attention_plan(*args, **tiling).config == plan.config
+    with pytest.raises(ValueError, match="pv_transposed must be a bool"):
+        fp4_decode_attention_plan(*args, pv_transposed="yes", **tiling)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
