@@ -2,8 +2,10 @@
 
 The one float32 operation in `trace_jax.fp4` that is not exact by construction is the reciprocal
 of the NVFP4 scales (`scales.reciprocal`). On NVIDIA GPUs both XLA and Pallas' Triton lowering
-compute it with the approximate `div.full.f32` (kernels_findings item 24). This script measures,
-on the default device against the host CPU of the same run:
+divide with the approximate `div.full.f32` (kernels_findings item 24), so the reciprocal is now
+`numerics.reciprocal_rn`: a hardware estimate with its last bit settled by integer arithmetic,
+correctly rounded everywhere. This script measures, on the default device against the host CPU of
+the same run:
 
   reciprocal   float32 1 / d for random d over 2**-60 .. 2**60: XLA and a Pallas kernel on the
                device against numpy's IEEE quotient, and against each other;

@@ -183,3 +183,40 @@ def test_decode_e4m3_bits_matches_ml_dtypes_on_all_256_patterns():
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 for 0x80
     generic = numerics.decode(jnp.asarray(bits), fp4.ElementType.E4M3.spec)
     np.testing.assert_array_equal(got, np.asarray(generic))
+
+
+def _estimate_off_by(ulps: int):
+    """A reciprocal estimate `ulps` float32 steps from the IEEE one (the GPU's `div.full.f32` is
+    within two)."""
+
+    def estimate(m):
+        r = jnp.float32(1.0) / m
+        for _ in range(abs(ulps)):
+            r = jnp.nextafter(r, jnp.float32(np.inf if ulps > 0 else 0.0))
+        return r
+
+    return estimate
+
+
+@pytest.mark.parametrize("ulps", (0, 1, -1, 2, -2, 3, -3))
+def test_reciprocal_rn_is_ieee_from_an_estimate_off_by_up_to_three_ulp(ulps):
+    """`numerics.reciprocal_rn` against numpy's IEEE float32 1 / d, bit for bit, whatever the
+    hardware estimate's last bits: random d over the whole normal range, both signs, powers of
+    two and the mantissas next to them, and the special values; quotients below float32's normal
+    range (|d| > 2**126) are flushed as a plain division under XLA."""
+    rng = np.random.default_rng(ulps + 3)
+    mant = rng.uniform(1, 2, 50_000) * rng.choice([-1, 1], 50_000)
+    rand = mant * np.exp2(rng.integers(-126, 126, 50_000))
+    pow2 = np.exp2(np.arange(-126, 126.0))
+    edges = np.concatenate([pow2, pow2 * (1 + 2.0**-23), pow2 * (2 - 2.0**-23)])
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(np.float32).max, 2.0**126 * 1.5]
+    d = np.concatenate([rand, edges, -edges, special]).astype(np.float32)
+    got = np.asarray(
+        jax.jit(lambda x: numerics.reciprocal_rn(x, estimate=_estimate_off_by(ulps)))(d)
+    )
+    with np.errstate(divide="ignore"):
+        want = np.float32(1.0) / d
+    tiny = np.abs(want) < np.finfo(np.float32).tiny
+    want = np.where(tiny, np.copysign(np.float32(0.0), want), want)  # XLA's flush to zero
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

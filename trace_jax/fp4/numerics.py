@@ -43,6 +43,50 @@ def exp2_int(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _hardware_reciprocal(m: jax.Array) -> jax.Array:
+    return jnp.float32(1.0) / m
+
+
+def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
+    """Float32 `1 / d` correctly rounded (IEEE, nearest-even) on every platform.
+
+    NVIDIA GPUs divide with `div.full.f32` under XLA and Pallas alike, one ulp off in 13% of
+    reciprocals (experiments/results/gpu_division.md), so a plain `1 / d` quantizes differently
+    on the GPU than on the CPU. Here the hardware only estimates `1 / m` for the mantissa
+    `m = Md * 2**-23` in [1, 2); integer arithmetic then settles the last bit: with the estimate's
+    24-bit mantissa `Mr` (`1 / m ~ Mr * 2**-24`), the residual `E = 2**47 - Md * Mr` is exact in
+    int32 (2**47 vanishes mod 2**32 and |E| < 2**31 for an estimate within 64 ulp), and each step
+    that moves `Mr` by one towards the quotient while `|E| > Md / 2` reaches the nearest `Mr`
+    (no ties: `2**48 / Md` is an odd integer only for `Md` a power of two, where the quotient is
+    exact). Three steps correct an estimate up to three ulp off (`div.full.f32` is within two).
+    Then `1 / d = Mr * 2**-24 * 2**-e` exactly.
+
+    d: float32 array, any shape. `estimate(m)`: float32 estimate of `1 / m` for m in [1, 2) (the
+    hardware division; tests pass a perturbed one). Zero, infinite, NaN and subnormal `d`, and
+    `|d| >= 2**126` (a subnormal quotient, which XLA flushes anyway), fall back to `1 / d`.
+    """
+    d = jnp.asarray(d, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(d, jnp.int32)
+    exp_field = (bits >> _F32_MANT_BITS) & 0xFF
+    mant_field = bits & ((1 << _F32_MANT_BITS) - 1)
+    md = mant_field | (1 << _F32_MANT_BITS)  # [2**23, 2**24)
+    m = jax.lax.bitcast_convert_type(mant_field | (_F32_EXP_BIAS << _F32_MANT_BITS), jnp.float32)
+    # 1 / m is in (0.5, 1], where float32's spacing is 2**-24: the scaled estimate is an integer.
+    mr = jnp.clip((estimate(m) * np.float32(2.0**24)).astype(jnp.int32), 1 << 23, 1 << 24)
+    # 2**47 - Md * Mr mod 2**32 in uint32 (wrapping is defined there), read back as int32.
+    prod = md.astype(jnp.uint32) * mr.astype(jnp.uint32)
+    resid = jax.lax.bitcast_convert_type(jnp.uint32(0) - prod, jnp.int32)
+    for _ in range(3):
+        up = (2 * resid > md).astype(jnp.int32)
+        down = (2 * resid < -md).astype(jnp.int32)
+        mr = mr + up - down
+        resid = resid - (up - down) * md
+    r = mr.astype(jnp.float32) * np.float32(2.0**-24) * exp2_int(_F32_EXP_BIAS - exp_field)
+    r = jnp.where(d < 0, -r, r)
+    # exp_field 1..252: d normal and the quotient >= 2**-126 (normal).
+    return jnp.where((exp_field >= 1) & (exp_field <= 252), r, jnp.float32(1.0) / d)
+
+
 def grid_neighbours(a: jax.Array, spec: MiniFloatSpec):
     """The two grid points around each magnitude: `lo <= a <= hi`, equal when `a` is on the grid.
 

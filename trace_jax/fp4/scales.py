@@ -7,10 +7,11 @@ Rules:
   NVFP4:       s_g = amax_global / (6 * 448);  s_b = e4m3(amax_block / (6 * s_g)), RNE, <= 448.
 Float32 recipe (what "/" means above, bit for bit): `s_g = amax * f32(1/2688)`,
 `s_b = e4m3(amax_b * (1 / f32(6 * s_g)))`, `x / scale = x * (1 / f32(s_b * s_g))`: every division
-is a float32 reciprocal followed by a multiplication. The reciprocal is correctly rounded on the
-CPU; on NVIDIA GPUs XLA and Pallas (Triton) both compute it with `div.full.f32`, one ulp off in
-13% of cases on the H200 but the same bits in both (experiments/results/gpu_division.md), so
-NVFP4 rollouts and training on one GPU agree, while CPU and GPU can differ in rare elements.
+is a float32 reciprocal followed by a multiplication. The reciprocal is correctly rounded on every
+platform (`numerics.reciprocal_rn`): NVIDIA GPUs divide approximately (`div.full.f32`, one ulp
+off in 13% of cases on the H200, experiments/results/gpu_division.md), so a plain `1 / d` made
+NVFP4 codes differ between CPU and GPU in 1-2e-4 of elements (platform_numerics.md); with the
+exact reciprocal the CPU, XLA on the GPU and the Pallas kernels give the same bits.
 Edge cases (documented contract, mirrored by the float64 test reference):
   * an all-zero block gets the smallest scale (E8M0 2**-127, E4M3 2**-9) and codes 0;
   * an NVFP4 block scale that rounds to zero is raised to 2**-9; a global amax of zero gives
@@ -37,13 +38,12 @@ _MIN_GLOBAL_SCALE = 2.0**-117
 
 
 def reciprocal(d: jax.Array) -> jax.Array:
-    """Float32 `1 / d`: correctly rounded on the CPU, `div.full.f32` (within one ulp) on NVIDIA
-    GPUs under XLA and Pallas alike (see the module docstring).
+    """Float32 `1 / d`, correctly rounded on every platform (`numerics.reciprocal_rn`).
 
     Scaling multiplies by this reciprocal instead of dividing: XLA may rewrite a division by a
     broadcast value into exactly this form anyway, so writing it explicitly pins the arithmetic.
     """
-    return jnp.float32(1.0) / d
+    return numerics.reciprocal_rn(d)
 
 
 def normalize_global_axes(global_axes: tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
