@@ -198,25 +198,25 @@ def _estimate_off_by(ulps: int):
     return estimate
 
 
-@pytest.mark.parametrize("ulps", (0, 1, -1, 2, -2, 3, -3))
-def test_reciprocal_rn_is_ieee_from_an_estimate_off_by_up_to_three_ulp(ulps):
+@pytest.mark.parametrize("ulps", (0, 1, -1, 2, -2))
+def test_reciprocal_rn_is_ieee_from_an_estimate_off_by_up_to_two_ulp(ulps):
     """`numerics.reciprocal_rn` against numpy's IEEE float32 1 / d, bit for bit, whatever the
-    hardware estimate's last bits: random d over the whole normal range, both signs, powers of
-    two and the mantissas next to them, and the special values; quotients below float32's normal
-    range (|d| > 2**126) are flushed as a plain division under XLA."""
+    estimate's last bits: random d over the whole normal range, both signs, powers of two and the
+    mantissas next to them, and the special values with their fixed results (a subnormal quotient
+    flushed to +-0, a subnormal d giving +-inf)."""
     rng = np.random.default_rng(ulps + 3)
     mant = rng.uniform(1, 2, 50_000) * rng.choice([-1, 1], 50_000)
     rand = mant * np.exp2(rng.integers(-126, 126, 50_000))
-    pow2 = np.exp2(np.arange(-126, 126.0))
+    pow2 = np.exp2(np.arange(-126, 127.0))
     edges = np.concatenate([pow2, pow2 * (1 + 2.0**-23), pow2 * (2 - 2.0**-23)])
-    special = [0.0, -0.0, np.inf, -np.inf, np.nan, np.finfo(np.float32).max, 2.0**126 * 1.5]
-    d = np.concatenate([rand, edges, -edges, special]).astype(np.float32)
+    special = [0.0, np.inf, np.nan, 1e-40, np.finfo(np.float32).max, 2.0**126 * 1.5]
+    d = np.concatenate([rand, edges, -edges, special, np.negative(special)]).astype(np.float32)
     got = np.asarray(
         jax.jit(lambda x: numerics.reciprocal_rn(x, estimate=_estimate_off_by(ulps)))(d)
     )
-    with np.errstate(divide="ignore"):
-        want = np.float32(1.0) / d
-    tiny = np.abs(want) < np.finfo(np.float32).tiny
-    want = np.where(tiny, np.copysign(np.float32(0.0), want), want)  # XLA's flush to zero
+    tiny = np.finfo(np.float32).tiny
+    with np.errstate(divide="ignore", over="ignore"):
+        want = np.where(np.abs(d) < tiny, np.copysign(np.float32(np.inf), d), np.float32(1.0) / d)
+    want = np.where(np.abs(want) < tiny, np.copysign(np.float32(0.0), want), want)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

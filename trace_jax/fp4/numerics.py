@@ -48,25 +48,28 @@ def _hardware_reciprocal(m: jax.Array) -> jax.Array:
 
 
 def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
-    """Float32 `1 / d` correctly rounded (IEEE, nearest-even) on every platform.
+    """Float32 `1 / d` correctly rounded (IEEE, nearest-even), the same bits on every platform.
 
     NVIDIA GPUs divide with `div.full.f32` under XLA and Pallas alike, one ulp off in 13% of
     reciprocals (experiments/results/gpu_division.md), so a plain `1 / d` quantizes differently
     on the GPU than on the CPU. Here the hardware only estimates `1 / m` for the mantissa
-    `m = Md * 2**-23` in [1, 2); integer arithmetic then settles the last bit: with the estimate's
+    `m = Md * 2**-23` in [1, 2); integer arithmetic settles the last bit: with the estimate's
     24-bit mantissa `Mr` (`1 / m ~ Mr * 2**-24`), the residual `E = 2**47 - Md * Mr` is exact in
-    int32 (2**47 vanishes mod 2**32 and |E| < 2**31 for an estimate within 64 ulp), and each step
-    that moves `Mr` by one towards the quotient while `|E| > Md / 2` reaches the nearest `Mr`
-    (no ties: `2**48 / Md` is an odd integer only for `Md` a power of two, where the quotient is
-    exact). Three steps correct an estimate up to three ulp off (`div.full.f32` is within two).
-    Then `1 / d = Mr * 2**-24 * 2**-e` exactly.
+    int32 (2**47 vanishes mod 2**32 and |E| < 2**31 for any estimate within 64 ulp), and each step
+    that moves `Mr` by one towards the quotient while `|E| > Md / 2` reaches the nearest `Mr` (no
+    ties: `2**48 / Md` is an odd integer only for `Md` a power of two, where the quotient is exact).
+    Two steps correct an estimate up to two ulp off, `div.full.f32`'s documented bound. The result
+    is built from bits: exponent field `253 - e_d`, mantissa `Mr - 2**23` (a carry when
+    `Mr = 2**24`). An estimate in the next binade (above 1 for m = 1) is clipped back first.
 
     d: float32 array, any shape. `estimate(m)`: float32 estimate of `1 / m` for m in [1, 2) (the
-    hardware division; tests pass a perturbed one). Zero, infinite, NaN and subnormal `d`, and
-    `|d| >= 2**126` (a subnormal quotient, which XLA flushes anyway), fall back to `1 / d`.
+    hardware division; tests pass perturbed ones). Special values, fixed bits so that they too
+    agree across platforms: zero and subnormal `d` give +-inf, +-inf gives +-0, NaN gives NaN,
+    and `|d| > 2**126`, whose quotient is subnormal, gives +-0 (flushed, as XLA's CPU does).
     """
     d = jnp.asarray(d, jnp.float32)
     bits = jax.lax.bitcast_convert_type(d, jnp.int32)
+    sign = bits & jnp.int32(-(2**31))
     exp_field = (bits >> _F32_MANT_BITS) & 0xFF
     mant_field = bits & ((1 << _F32_MANT_BITS) - 1)
     md = mant_field | (1 << _F32_MANT_BITS)  # [2**23, 2**24)
@@ -76,15 +79,15 @@ def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
     # 2**47 - Md * Mr mod 2**32 in uint32 (wrapping is defined there), read back as int32.
     prod = md.astype(jnp.uint32) * mr.astype(jnp.uint32)
     resid = jax.lax.bitcast_convert_type(jnp.uint32(0) - prod, jnp.int32)
-    for _ in range(3):
-        up = (2 * resid > md).astype(jnp.int32)
-        down = (2 * resid < -md).astype(jnp.int32)
-        mr = mr + up - down
-        resid = resid - (up - down) * md
-    r = mr.astype(jnp.float32) * np.float32(2.0**-24) * exp2_int(_F32_EXP_BIAS - exp_field)
-    r = jnp.where(d < 0, -r, r)
-    # exp_field 1..252: d normal and the quotient >= 2**-126 (normal).
-    return jnp.where((exp_field >= 1) & (exp_field <= 252), r, jnp.float32(1.0) / d)
+    for _ in range(2):
+        step = (2 * resid > md).astype(jnp.int32) - (2 * resid < -md).astype(jnp.int32)
+        mr, resid = mr + step, resid - step * md
+    normal = ((252 - exp_field) << _F32_MANT_BITS) + mr
+    normal = jnp.where(normal >= 1 << _F32_MANT_BITS, normal, 0)  # a subnormal quotient: +-0
+    inf, nan = 0x7F800000, 0x7FC00000
+    special = jnp.where(exp_field == 0, inf, jnp.where(md > 1 << _F32_MANT_BITS, nan, 0))
+    out = jnp.where((exp_field >= 1) & (exp_field <= 254), normal, special) | sign
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
 
 
 def grid_neighbours(a: jax.Array, spec: MiniFloatSpec):
