@@ -32,6 +32,7 @@ from absl import app, flags, logging
 from jax.experimental import pallas as pl
 
 from experiments import results_io
+from kernels_pallas import common
 from trace_jax import fp4
 from trace_jax.fp4 import scales
 
@@ -45,10 +46,14 @@ def divisors(n: int, seed: int = 0) -> np.ndarray:
 
 
 def pallas_reciprocal(d: jax.Array, *, interpret: bool) -> jax.Array:
-    """`scales.reciprocal` inside a Pallas kernel: float32 [n] (n a multiple of 1024)."""
+    """`scales.reciprocal` inside a Pallas kernel: float32 [n] (n a multiple of 1024); compiled
+    for the GPU, with `common.rcp_approx` as its estimate."""
+
+    # On the GPU with the quantize kernel's one-instruction estimate, as that kernel runs it.
+    estimate = None if interpret else common.rcp_approx
 
     def kernel(d_ref, o_ref):
-        o_ref[...] = scales.reciprocal(d_ref[...])
+        o_ref[...] = scales.reciprocal(d_ref[...], estimate)
 
     spec = pl.BlockSpec((_BLOCK,), lambda i: (i,))
     return pl.pallas_call(
@@ -123,7 +128,9 @@ def _reciprocal_moved(ulps: int):
     """`scales.reciprocal` returning the IEEE reciprocal moved `ulps` (+1 / -1) ulp."""
     ieee = scales.reciprocal
     toward = jnp.inf if ulps > 0 else 0.0
-    scales.reciprocal = lambda d: jnp.nextafter(ieee(d), jnp.float32(toward))
+    scales.reciprocal = lambda d, estimate=None: jnp.nextafter(
+        ieee(d, estimate), jnp.float32(toward)
+    )
     try:
         yield
     finally:

@@ -156,6 +156,20 @@ def fp4_planes_as_f16(
     return as_f16(even), as_f16(odd)
 
 
+def rcp_approx(m: jax.Array) -> jax.Array:
+    """`rcp.approx.ftz.f32` of float32 `m` (inline PTX: Triton lowering on an NVIDIA GPU only):
+    one MUFU instruction within about an ulp, where a float32 division is `div.full.f32`'s range
+    scaling and refinement. The estimate that `numerics.reciprocal_rn` corrects to the IEEE
+    reciprocal (so the quantize kernel's bits do not depend on it)."""
+    return pl_triton.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;",
+        args=[m],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(m.shape, jnp.float32)],
+    )[0]
+
+
 def split_block_scales(
     bits: jax.Array, fmt: BlockFormat, global_scale: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:

@@ -80,8 +80,11 @@ def _kernel(
     s_g_given: bool,
     loop_n: int | None,
     pack: str = DEFAULT_PACK,
+    inline_asm: bool = False,
 ):
     pack_fields = PACKINGS[pack]
+    # The reciprocal's hardware estimate: one PTX instruction on the GPU (same bits either way).
+    estimate = common.rcp_approx if inline_asm else None
     refs = list(refs)
     x_ref = refs.pop(0)
     sg_ref = refs.pop(0) if s_g_given else None
@@ -131,7 +134,7 @@ def _kernel(
             kwargs["guide_scale_bits"] = cols(g_bits_ref, a, b, bs)
             kwargs["guide_global"] = g_gs_ref[...] if fmt.has_global_scale else None
         codes, bits, s_g_out = quantize_core(
-            x_chunk(a, b), fmt, s_g=s_g, rounding=rounding, **kwargs
+            x_chunk(a, b), fmt, s_g=s_g, rounding=rounding, reciprocal_estimate=estimate, **kwargs
         )
         store(codes_ref, a, b, 2, pack_fields(codes, 2))
         store(bits_ref, a, b, bs, bits)
@@ -207,7 +210,7 @@ def quantize_capture_pallas(
         out_specs.append(row_vec())
     return pl.pallas_call(
         functools.partial(
-            body or functools.partial(_kernel, pack=pack),
+            body or functools.partial(_kernel, pack=pack, inline_asm=not interpret),
             fmt=fmt,
             guide_mode=guide_mode,
             s_g_given=given,

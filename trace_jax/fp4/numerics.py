@@ -14,6 +14,8 @@ Inputs below float32's normal range (|x| < 2**-126) are flushed to zero by XLA o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,11 +45,7 @@ def exp2_int(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _hardware_reciprocal(m: jax.Array) -> jax.Array:
-    return jnp.float32(1.0) / m
-
-
-def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
+def reciprocal_rn(d: jax.Array, *, estimate: Callable[[jax.Array], jax.Array] | None = None):
     """Float32 `1 / d` correctly rounded (IEEE, nearest-even), the same bits on every platform.
 
     NVIDIA GPUs divide with `div.full.f32` under XLA and Pallas alike, one ulp off in 13% of
@@ -62,10 +60,12 @@ def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
     is built from bits: exponent field `253 - e_d`, mantissa `Mr - 2**23` (a carry when
     `Mr = 2**24`). An estimate in the next binade (above 1 for m = 1) is clipped back first.
 
-    d: float32 array, any shape. `estimate(m)`: float32 estimate of `1 / m` for m in [1, 2) (the
-    hardware division; tests pass perturbed ones). Special values, fixed bits so that they too
-    agree across platforms: zero and subnormal `d` give +-inf, +-inf gives +-0, NaN gives NaN,
-    and `|d| > 2**126`, whose quotient is subnormal, gives +-0 (flushed, as XLA's CPU does).
+    d: float32 array, any shape. `estimate(m)`: float32 estimate of `1 / m` for m in [1, 2),
+    within two ulp; None: the hardware division (the Pallas quantize kernel passes the one-
+    instruction `rcp.approx`; tests pass perturbed ones). Returns float32, d's shape.
+    Special values get fixed bits, so that they too agree across platforms: zero and subnormal
+    `d` give +-inf, +-inf gives +-0, NaN gives NaN, and `|d| > 2**126`, whose quotient is
+    subnormal, gives +-0 (flushed, as XLA's CPU does).
     """
     d = jnp.asarray(d, jnp.float32)
     bits = jax.lax.bitcast_convert_type(d, jnp.int32)
@@ -75,7 +75,8 @@ def reciprocal_rn(d: jax.Array, *, estimate=_hardware_reciprocal) -> jax.Array:
     md = mant_field | (1 << _F32_MANT_BITS)  # [2**23, 2**24)
     m = jax.lax.bitcast_convert_type(mant_field | (_F32_EXP_BIAS << _F32_MANT_BITS), jnp.float32)
     # 1 / m is in (0.5, 1], where float32's spacing is 2**-24: the scaled estimate is an integer.
-    mr = jnp.clip((estimate(m) * np.float32(2.0**24)).astype(jnp.int32), 1 << 23, 1 << 24)
+    inverse = jnp.float32(1.0) / m if estimate is None else estimate(m)
+    mr = jnp.clip((inverse * np.float32(2.0**24)).astype(jnp.int32), 1 << 23, 1 << 24)
     # 2**47 - Md * Mr mod 2**32 in uint32 (wrapping is defined there), read back as int32.
     prod = md.astype(jnp.uint32) * mr.astype(jnp.uint32)
     resid = jax.lax.bitcast_convert_type(jnp.uint32(0) - prod, jnp.int32)

@@ -54,6 +54,7 @@ def quantize_core(
     guide_global: jax.Array | None = None,
     guide_rows: jax.Array | None = None,
     scale_bits: jax.Array | None = None,
+    reciprocal_estimate: scales.Estimate | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The quantizer on plain arrays, shared by `quantize`, the Pallas kernels and PTQ.
 
@@ -68,6 +69,8 @@ def quantize_core(
       guide_rows: bool `[...]` rows that carry guidance (None: all).
       scale_bits: block-scale bits uint8 `[..., NB]` to use instead of the max-abs rule (scale
         search in `trace_jax.quant.ptq`); None computes them.
+      reciprocal_estimate: the hardware estimate inside `scales.reciprocal` (speed only: the
+        reciprocal is correctly rounded whatever it is); None: a float32 division.
 
     Returns:
       `(codes uint8 [..., N], scale bits uint8 [..., NB], global scale or None)`.
@@ -76,7 +79,10 @@ def quantize_core(
     nb = x32.shape[-1] // fmt.block_size
     block_shape = (*x32.shape[:-1], nb, fmt.block_size)
     xb = x32.reshape(block_shape)
-    bits = scales.block_scale_bits(xb, fmt, s_g) if scale_bits is None else scale_bits
+    est = reciprocal_estimate
+    bits = scale_bits
+    if bits is None:
+        bits = scales.block_scale_bits(xb, fmt, s_g, estimate=est)
 
     guided = rounding is Rounding.GUIDED
     if guided:
@@ -85,7 +91,7 @@ def quantize_core(
         if s_g is not None:
             s_g = jnp.where(row, guide_global, s_g)
 
-    z = scales.normalize(xb, bits, s_g, fmt)
+    z = scales.normalize(xb, bits, s_g, fmt, estimate=est)
     a = jnp.minimum(jnp.abs(z), spec.max_value)
     sign = z < 0
     if rounding is Rounding.RTN:

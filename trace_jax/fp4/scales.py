@@ -22,6 +22,8 @@ Edge cases (documented contract, mirrored by the float64 test reference):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,15 +37,18 @@ _E4M3_MIN_SCALE_CODE = 1  # 2**-9, E4M3's smallest subnormal
 # Smallest global scale: keeps s_b * s_g >= 2**-9 * 2**-117 inside float32's normal range (XLA
 # flushes subnormals, which would turn the combined scale into zero).
 _MIN_GLOBAL_SCALE = 2.0**-117
+# An estimate of 1 / m for float32 m in [1, 2) (`numerics.reciprocal_rn`).
+Estimate = Callable[[jax.Array], jax.Array]
 
 
-def reciprocal(d: jax.Array) -> jax.Array:
-    """Float32 `1 / d`, correctly rounded on every platform (`numerics.reciprocal_rn`).
+def reciprocal(d: jax.Array, estimate: Estimate | None = None) -> jax.Array:
+    """Float32 `1 / d`, correctly rounded on every platform (`numerics.reciprocal_rn`, whose
+    `estimate` of a mantissa's reciprocal changes only the speed, never the bits).
 
     Scaling multiplies by this reciprocal instead of dividing: XLA may rewrite a division by a
     broadcast value into exactly this form anyway, so writing it explicitly pins the arithmetic.
     """
-    return numerics.reciprocal_rn(d)
+    return numerics.reciprocal_rn(d, estimate=estimate)
 
 
 def normalize_global_axes(global_axes: tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
@@ -75,11 +80,14 @@ def global_scale_from_amax(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
 
 
-def block_scale_bits(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.Array:
+def block_scale_bits(
+    xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None, *, estimate: Estimate | None = None
+) -> jax.Array:
     """Block-scale bit patterns (uint8 `[..., NB]`) from blocked float32 `xb [..., NB, BS]`.
 
     `s_g` is the global scale broadcastable to `[..., NB]` (NVFP4), else None. Bits rather than
     float8 arrays, so that Pallas kernels (Triton has no E8M0 type) run the same code.
+    `estimate`: `reciprocal`'s.
     """
     amax = jnp.max(jnp.abs(xb), axis=-1)
     nonfinite = ~jnp.isfinite(amax)
@@ -87,7 +95,7 @@ def block_scale_bits(xb: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> 
         e = numerics.floor_log2(amax) - fmt.elem.max_exponent
         bits = numerics.encode_e8m0(e, nonfinite)
     else:
-        raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g)
+        raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g, estimate)
         raw = jnp.minimum(raw, _E4M3.max_value)
         # Code 1 is 2**-9, the smallest scale: a scale rounding to zero is raised to it.
         idx = jnp.maximum(numerics.nearest_even_index(raw, _E4M3), _E4M3_MIN_SCALE_CODE)
@@ -117,8 +125,16 @@ def scales_to_float32(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
     return scale_bits_to_float32(to_bits(scales), fmt)
 
 
-def normalize(xb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
-    """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32; `bits` uint8 `[..., NB]`.
+def normalize(
+    xb: jax.Array,
+    bits: jax.Array,
+    s_g: jax.Array | None,
+    fmt: BlockFormat,
+    *,
+    estimate: Estimate | None = None,
+):
+    """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32; `bits` uint8 `[..., NB]`;
+    `estimate`: `reciprocal`'s.
 
     MX scales are powers of two, so division is a multiplication by the exact inverse (this also
     keeps the all-zero block's 2**-127 scale, a float32 subnormal, out of the arithmetic).
@@ -129,7 +145,7 @@ def normalize(xb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockF
         inv = jnp.where(bits == 0xFF, jnp.nan, inv)
         return xb * inv[..., None]
     combined = scale_bits_to_float32(bits, fmt) * s_g
-    return xb * reciprocal(combined)[..., None]
+    return xb * reciprocal(combined, estimate)[..., None]
 
 
 def denormalize(qb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
