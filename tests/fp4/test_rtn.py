@@ -16,7 +16,8 @@ import pytest
 
 from tests.fp4 import cases, reference
 from trace_jax import fp4
-from trace_jax.fp4 import numerics
+from trace_jax.fp4 import numerics, scales
+from trace_jax.fp4.quantize import quantize_core
 
 NAMES = ("mxfp4", "nvfp4", "mxfp8")
 
@@ -217,3 +218,26 @@ def test_reciprocal_rn_is_ieee_from_an_estimate_off_by_up_to_two_ulp(ulps):
     want = np.where(np.abs(want) < tiny, np.copysign(np.float32(0.0), want), want)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("ulps", (2, -2))
+def test_quantize_core_uses_the_given_estimate_and_keeps_its_bits(ulps):
+    """The quantize kernel's reciprocal estimate reaches both reciprocals of NVFP4 quantization
+    (the per-row 1 / (6 s_g) and the per-block 1 / (s_b s_g)) and changes no bit."""
+    x = jax.random.normal(jax.random.key(ulps + 10), (8, 256), jnp.float32) * 3.0
+    s_g = scales.global_scale(x, fp4.NVFP4, (-1,))
+    calls = []
+
+    def estimate(m):
+        calls.append(m.shape)
+        r = jnp.float32(1.0) / m
+        for _ in range(abs(ulps)):
+            r = jnp.nextafter(r, jnp.float32(np.inf if ulps > 0 else 0.0))
+        return r
+
+    core = functools.partial(quantize_core, fmt=fp4.NVFP4, s_g=s_g)
+    got = jax.jit(lambda a: core(a, reciprocal_estimate=estimate))(x)
+    want = jax.jit(core)(x)
+    assert sorted(calls) == [(8, 1), (8, 16)]  # per row, per block
+    for u, v in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
