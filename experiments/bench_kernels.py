@@ -393,7 +393,7 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
     """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full. Times
     `n_steps` steps in one jitted loop and reports the time per step. `backends`: the FP4
     kernel backends timed ("pallas" is required: capture is timed on it; each FP4 variant costs
-    about a minute of compilation on the H200)."""
+    8-13 s of wall time on the H200, mostly compilation, since parameters are arguments)."""
     if "pallas" not in backends or not set(backends) <= {"xla", "pallas"}:
         raise ValueError(f"backends must include 'pallas' and be among xla, pallas: {backends}")
     cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
@@ -447,7 +447,7 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
             return logits, rows
 
         # Wall seconds of each part (filling, compiling, warm-up and timing): what a GPU command's
-        # time goes to (each FP4 variant took about a minute on the H200, mostly not the timing).
+        # time goes to (8-13 s per FP4 variant and 7 s per cache fill on the H200, 2026-12-01).
         lap = Laps()
         bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
         lap("fill bf16")
@@ -669,7 +669,11 @@ def define_flags() -> None:
     flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "kernels", "result file stem")
     flags.DEFINE_list("sections", list(SECTIONS), "benchmarks to run")
-    flags.DEFINE_list("step_contexts", ["4096", "32768"], "contexts of the decode-step benchmark")
+    flags.DEFINE_list(
+        "step_contexts",
+        ["4096", "8192", "32768", "65536", "131072"],
+        "contexts of the decode-step benchmark (the attention sweep's)",
+    )
     flags.DEFINE_list("step_backends", ["xla", "pallas"], "FP4 backends of the decode step")
     flags.DEFINE_string("keep_from", "", "earlier results JSON: keep its rows of sections not run")
 
@@ -681,7 +685,7 @@ def run(
     outdir: str = results_io.RESULTS_DIR,
     name: str = "kernels",
     sections: tuple[str, ...] = SECTIONS,
-    step_contexts: list[str] = ("4096", "32768"),
+    step_contexts: list[str] = ("4096", "8192", "32768", "65536", "131072"),
     step_backends: list[str] = ("xla", "pallas"),
     keep_from: str = "",
 ) -> dict:
