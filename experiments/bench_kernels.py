@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import time
 import traceback
 
@@ -29,7 +30,7 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 from experiments import results_io
-from experiments.timing import nbytes, time_fn
+from experiments.timing import nbytes, time_fn, time_interleaved
 from kernels_pallas.fp4_decode_attention import api as attn
 from kernels_pallas.fp4_moe_matmul import api as moe
 from kernels_pallas.fp4_moe_matmul.reference import pack_weights
@@ -83,6 +84,8 @@ def ceilings(quick: bool) -> dict[str, float]:
 # then reads each row once more for its global scale, inside the timed call). The last four
 # (session 10): larger row-loop programs, NVFP4 with its global scale inside the kernel.
 # (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
+# Alternating timing rounds per decode-step context (`timing.time_interleaved`).
+STEP_ROUNDS = 7
 QUANTIZE_LAUNCHES = (
     (None, None, 4, None),
     (1, None, 2, None),
@@ -369,6 +372,12 @@ class Laps:
         self.seconds[part], self._last = now - self._last, now
 
 
+def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
+    """The median over rounds of `num`'s time over `den`'s in the same round."""
+    pairs = zip(by_round[num], by_round[den], strict=True)
+    return statistics.median(x / y for x, y in pairs)
+
+
 def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
     """A cache holding `ctx` random tokens per sequence (as if prefilled) and `extra` free slots,
     bf16 or packed FP4."""
@@ -390,10 +399,15 @@ def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
 
 
 def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list[dict]:
-    """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full. Times
-    `n_steps` steps in one jitted loop and reports the time per step. `backends`: the FP4
-    kernel backends timed ("pallas" is required: capture is timed on it; each FP4 variant costs
-    8-13 s of wall time on the H200, mostly compilation, since parameters are arguments)."""
+    """One `small`-preset decode step: bf16 vs FP4 W/A/KV; capture off / compact / full.
+
+    Times `n_steps` steps in one jitted loop and reports the time per step: every variant of a
+    context is compiled first, then all are timed in `STEP_ROUNDS` alternating rounds; a row has
+    each variant's median over rounds (`<variant>_ms`), speedups and capture overheads as medians
+    of same-round ratios, and every round's times (`ms_by_round`). `backends`: the FP4 kernel
+    backends timed ("pallas" is required: capture is timed on it). Each FP4 variant took 8-13 s
+    of wall time on the H200, mostly compilation, since parameters are arguments.
+    """
     if "pallas" not in backends or not set(backends) <= {"xla", "pallas"}:
         raise ValueError(f"backends must include 'pallas' and be among xla, pallas: {backends}")
     cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
@@ -446,65 +460,58 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
             _, _, rows, logits = jax.lax.fori_loop(0, n_steps, body, init)
             return logits, rows
 
-        # Wall seconds of each part (filling, compiling, warm-up and timing): what a GPU command's
-        # time goes to (8-13 s per FP4 variant and 7 s per cache fill on the H200, 2026-12-01).
+        # Wall seconds of each part (filling, compiling with warm-up, timing): what a GPU
+        # command's time goes to.
         lap = Laps()
-        bf16_cache = _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)
+        caches = {"bf16": _filled_cache(cfg, b, ctx, None, "xla", seed=11, extra=n_steps)}
         lap("fill bf16")
-        t_bf16 = (
-            _time(
-                quick,
+        calls = {
+            "bf16": (
                 lambda p, c, t: step(p, None, c, t, SiteMode.OFF, False, "xla", False),
-                params,
-                bf16_cache,
-                tokens,
-                inner=2,
+                (params, caches["bf16"], tokens),
             )
-            / n_steps
-        )
+        }
+        for kb in backends:
+            caches[kb] = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11, extra=n_steps)
+            lap(f"fill {kb}")
+            variants = [("no capture", False, False), ("compact", True, False)]
+            variants += [("full", True, True)]
+            for label, capture, full in variants if kb == "pallas" else variants[:1]:
+                calls[f"fp4_{kb}_{label}"] = (
+                    lambda p, w, c, tk, kb=kb, cap=capture, f=full: step(
+                        p, w, c, tk, SiteMode.RTN, cap, kb, f
+                    ),
+                    (params, packed, caches[kb], tokens),
+                )
+
+        def ready(name, ctx=ctx, lap=lap):
+            lap(f"compile {name}")
+            logging.info("decode step @%d: %s compiled and warm", ctx, name)
+
+        # All variants in alternating rounds: the overheads compare variants a few percent
+        # apart, so drift between them must not decide the sign (item 8, kernels_findings).
+        rounds = 1 if quick else STEP_ROUNDS
+        kw = dict(inner=1, trials=1, warmup=1) if quick else dict(inner=2, trials=3)
+        per_round = time_interleaved(calls, rounds=rounds, on_ready=ready, **kw)
+        lap("timing")
+        ms = {k: [1e3 * t / n_steps for t in v] for k, v in per_round.items()}
+
         row = {
             "op": "decode step",
             "preset": "tiny" if quick else "small",
             "context": ctx,
             "batch": b,
             "steps_per_call": n_steps,
-            "bf16_ms": 1e3 * t_bf16,
+            "rounds": rounds,
         }
-        lap("bf16")
-        logging.info("decode step @%d: bf16 %.3f ms", ctx, 1e3 * t_bf16)
+        for name, values in ms.items():
+            row[f"{name}_ms"] = statistics.median(values)
         for kb in backends:
-            # Logged one by one: the first H200 run spent minutes here without finishing a row.
-            logging.info("decode step @%d: filling the %s FP4 cache", ctx, kb)
-            cache = _filled_cache(cfg, b, ctx, "nvfp4", kb, seed=11, extra=n_steps)
-            lap(f"fill {kb}")
-            variants = [("no capture", False, False), ("compact", True, False)]
-            variants += [("full", True, True)]
-            for label, capture, full in variants if kb == "pallas" else variants[:1]:
-                t = (
-                    _time(
-                        quick,
-                        lambda p, w, c, tk, kb=kb, cap=capture, f=full: step(
-                            p, w, c, tk, SiteMode.RTN, cap, kb, f
-                        ),
-                        params,
-                        packed,
-                        cache,
-                        tokens,
-                        inner=2,
-                    )
-                    / n_steps
-                )
-                row[f"fp4_{kb}_{label}_ms"] = 1e3 * t
-                lap(f"fp4 {kb} {label}")
-                logging.info(
-                    "decode step @%d: fp4 %s %s %.3f ms (%.0f s wall)",
-                    ctx, kb, label, 1e3 * t, lap.seconds[f"fp4 {kb} {label}"],
-                )  # fmt: skip
-            base = row[f"fp4_{kb}_no capture_ms"]
-            row[f"fp4_{kb}_speedup_vs_bf16"] = t_bf16 * 1e3 / base
-        base = row["fp4_pallas_no capture_ms"]
-        row["fp4_pallas_compact_overhead"] = row["fp4_pallas_compact_ms"] / base - 1
-        row["fp4_pallas_full_overhead"] = row["fp4_pallas_full_ms"] / base - 1
+            row[f"fp4_{kb}_speedup_vs_bf16"] = paired_ratio(ms, "bf16", f"fp4_{kb}_no capture")
+        for label in ("compact", "full"):
+            base = "fp4_pallas_no capture"
+            row[f"fp4_pallas_{label}_overhead"] = paired_ratio(ms, f"fp4_pallas_{label}", base) - 1
+        row["ms_by_round"] = ms
         row["wall_s_by_part"] = lap.seconds
         out.append(row)
         logging.info("%s", row)

@@ -28,12 +28,20 @@ def test_bench_kernels_quick(tmp_path):
         pallas = [r for r in quantize if r["format"] == fmt and r["backend"] == "pallas"]
         assert len(pallas) >= 2 and sum(r["fastest"] for r in pallas) == 1
         assert frac == max(r["bandwidth_fraction_of_copy"] for r in pallas)
-    # Each decode-step row says where the command's time went, part by part.
+    # Each decode-step row says where the command's time went, part by part, and keeps every
+    # round's times; its medians and ratios come from them.
     (step,) = [r for r in data["rows"] if r["section"] == "decode_step"]
-    parts = ["fill bf16", "bf16", "fill xla", "fp4 xla no capture", "fill pallas"]
-    parts += [f"fp4 pallas {v}" for v in ("no capture", "compact", "full")]
-    assert list(step["wall_s_by_part"]) == parts
+    variants = ["bf16", "fp4_xla_no capture"]
+    variants += [f"fp4_pallas_{v}" for v in ("no capture", "compact", "full")]
+    parts = ["fill bf16", "fill xla", "fill pallas", *(f"compile {v}" for v in variants)]
+    assert list(step["wall_s_by_part"]) == [*parts, "timing"]
     assert all(t > 0 for t in step["wall_s_by_part"].values())
+    assert list(step["ms_by_round"]) == variants and step["rounds"] == 1
+    for v in variants:
+        assert step[f"{v}_ms"] == step["ms_by_round"][v][0] > 0
+    by_round = step["ms_by_round"]
+    compact = by_round["fp4_pallas_compact"][0] / by_round["fp4_pallas_no capture"][0] - 1
+    assert step["fp4_pallas_compact_overhead"] == pytest.approx(compact)
 
 
 def test_mark_fastest_marks_the_quickest_launch_only():
