@@ -83,9 +83,9 @@ def ceilings(quick: bool) -> dict[str, float]:
 # copy bandwidth toward MXFP4's 31%; column tiles give 2-D tiles and 8-16x more programs (NVFP4
 # then reads each row once more for its global scale, inside the timed call). The last four
 # (session 10): larger row-loop programs, NVFP4 with its global scale inside the kernel.
-# (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
 # Alternating timing rounds per decode-step context (`timing.time_interleaved`).
 STEP_ROUNDS = 7
+# (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
 QUANTIZE_LAUNCHES = (
     (None, None, 4, None),
     (1, None, 2, None),
