@@ -40,6 +40,7 @@ from absl import app, flags, logging
 from experiments import results_io
 from experiments.bench_kernels import _key, _time
 from experiments.timing import nbytes
+from kernels_pallas import common
 from kernels_pallas.fp4_quantize import api
 from kernels_pallas.fp4_quantize import kernel as K
 from trace_jax import fp4
@@ -60,7 +61,10 @@ def _stage_body(stage: str):
     """A kernel body with `K._kernel`'s refs and keyword arguments doing `stage`'s work (RTN, no
     guidance, the whole tile at once)."""
 
-    def body(*refs, fmt, guide_mode, s_g_given, loop_n):
+    def body(*refs, fmt, guide_mode, s_g_given, loop_n, inline_asm):
+        # The reciprocal's estimate as in `K._kernel` (`reciprocal_rn`'s platform-dependent
+        # default does not lower to Triton).
+        est = common.rcp_approx if inline_asm else None
         if guide_mode is not None or loop_n is not None:
             raise ValueError("the ablation times RTN quantization of whole tiles only")
         refs = list(refs)
@@ -77,12 +81,12 @@ def _stage_body(stage: str):
             _fill(bits_ref, keep)
         elif stage == "scales":
             xb = x.reshape(rows, n // fmt.block_size, fmt.block_size)
-            bits = scales.block_scale_bits(xb, fmt, s_g)
-            z = scales.normalize(xb, bits, s_g, fmt)
+            bits = scales.block_scale_bits(xb, fmt, s_g, estimate=est)
+            z = scales.normalize(xb, bits, s_g, fmt, estimate=est)
             keep = jnp.sum(z.reshape(rows, n), axis=1, keepdims=True)
             bits_ref[...] = bits
         elif stage == "round":
-            codes, bits, _ = quantize_core(x, fmt, s_g=s_g)
+            codes, bits, _ = quantize_core(x, fmt, s_g=s_g, reciprocal_estimate=est)
             keep = jnp.sum(codes.astype(jnp.int32), axis=1, keepdims=True)
             bits_ref[...] = bits
         else:

@@ -166,7 +166,8 @@ def quantize_capture_pallas(
     loop_n: with whole rows, process each row band in column chunks of this width, one after
       the other (NVFP4: a first pass over the chunks for the global scale); None: all at once.
     body: the kernel body (default `_kernel`; `experiments.quantize_ablation` passes cut-down
-      bodies with the same refs and keyword arguments to time the kernel's parts).
+      bodies with the same refs and keyword arguments to time the kernel's parts; `inline_asm`
+      is True when compiled for the GPU, where the reciprocal needs `common.rcp_approx`).
     pack: how codes and compact bits are packed into bytes: "split" (pairs joined by halving,
       the default) or "sum" (shifted fields summed over a trailing axis); the same bytes
       (kernels_findings item 17).
@@ -210,11 +211,12 @@ def quantize_capture_pallas(
         out_specs.append(row_vec())
     return pl.pallas_call(
         functools.partial(
-            body or functools.partial(_kernel, pack=pack, inline_asm=not interpret),
+            body or functools.partial(_kernel, pack=pack),
             fmt=fmt,
             guide_mode=guide_mode,
             s_g_given=given,
             loop_n=loop_n,
+            inline_asm=not interpret,
         ),
         grid=grid,
         in_specs=in_specs,

@@ -45,29 +45,52 @@ def exp2_int(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def reciprocal_rn(d: jax.Array, *, estimate: Callable[[jax.Array], jax.Array] | None = None):
+def reciprocal_rn(
+    d: jax.Array, *, estimate: Callable[[jax.Array], jax.Array] | None = None
+) -> jax.Array:
     """Float32 `1 / d` correctly rounded (IEEE, nearest-even), the same bits on every platform.
 
     NVIDIA GPUs divide with `div.full.f32` under XLA and Pallas alike, one ulp off in 13% of
     reciprocals (experiments/results/gpu_division.md), so a plain `1 / d` quantizes differently
-    on the GPU than on the CPU. Here the hardware only estimates `1 / m` for the mantissa
-    `m = Md * 2**-23` in [1, 2); integer arithmetic settles the last bit: with the estimate's
-    24-bit mantissa `Mr` (`1 / m ~ Mr * 2**-24`), the residual `E = 2**47 - Md * Mr` is exact in
-    int32 (2**47 vanishes mod 2**32 and |E| < 2**31 for any estimate within 64 ulp), and each step
-    that moves `Mr` by one towards the quotient while `|E| > Md / 2` reaches the nearest `Mr` (no
-    ties: `2**48 / Md` is an odd integer only for `Md` a power of two, where the quotient is exact).
-    Two steps correct an estimate up to two ulp off, `div.full.f32`'s documented bound. The result
-    is built from bits: exponent field `253 - e_d`, mantissa `Mr - 2**23` (a carry when
-    `Mr = 2**24`). An estimate in the next binade (above 1 for m = 1) is clipped back first.
+    on the GPU than on the CPU. Off the CPU (and whenever `estimate` is given) the hardware only
+    estimates the reciprocal of the mantissa and integer arithmetic settles the last bit
+    (`_corrected_reciprocal`); XLA's CPU division is IEEE already, so there it is the plain
+    quotient (`lax.platform_dependent`, chosen when lowering: the correction's ~30 operations per
+    call made the CPU test suite's model compilations 40% slower). Both give the same bits,
+    special values included (tested).
 
     d: float32 array, any shape. `estimate(m)`: float32 estimate of `1 / m` for m in [1, 2),
     within two ulp; None: the hardware division (the Pallas quantize kernel passes the one-
-    instruction `rcp.approx`; tests pass perturbed ones). Returns float32, d's shape.
+    instruction `rcp.approx`; tests pass perturbed ones). Returns float32, d's shape. Inside a
+    Pallas kernel compiled for the GPU an estimate is required: the platform-dependent default
+    does not lower to Triton.
     Special values get fixed bits, so that they too agree across platforms: zero and subnormal
     `d` give +-inf, +-inf gives +-0, NaN gives NaN, and `|d| > 2**126`, whose quotient is
     subnormal, gives +-0 (flushed, as XLA's CPU does).
     """
     d = jnp.asarray(d, jnp.float32)
+    if estimate is not None:
+        return _corrected_reciprocal(d, estimate)
+    return jax.lax.platform_dependent(
+        d,
+        cpu=lambda v: jnp.float32(1.0) / v,
+        default=lambda v: _corrected_reciprocal(v, None),
+    )
+
+
+def _corrected_reciprocal(d: jax.Array, estimate: Callable[[jax.Array], jax.Array] | None):
+    """`reciprocal_rn` by a hardware estimate and an exact integer correction.
+
+    The hardware estimates `1 / m` for the mantissa `m = Md * 2**-23` in [1, 2); with the
+    estimate's 24-bit mantissa `Mr` (`1 / m ~ Mr * 2**-24`), the residual `E = 2**47 - Md * Mr`
+    is exact in int32 (2**47 vanishes mod 2**32 and |E| < 2**31 for any estimate within 64 ulp),
+    and each step that moves `Mr` by one towards the quotient while `|E| > Md / 2` reaches the
+    nearest `Mr` (no ties: `2**48 / Md` is an odd integer only for `Md` a power of two, where the
+    quotient is exact). Two steps correct an estimate up to two ulp off, `div.full.f32`'s
+    documented bound. The result is built from bits: exponent field `253 - e_d`, mantissa
+    `Mr - 2**23` (a carry when `Mr = 2**24`). An estimate in the next binade (above 1 for m = 1)
+    is clipped back first.
+    """
     bits = jax.lax.bitcast_convert_type(d, jnp.int32)
     sign = bits & jnp.int32(-(2**31))
     exp_field = (bits >> _F32_MANT_BITS) & 0xFF
