@@ -11,9 +11,15 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    # grouped_matmul: "ragged_dot", "tiled" or "auto" (trace_jax/models/grouped_matmul.py).
+    # grouped_matmul: "ragged_dot", "tiled" or "auto" (trace_jax/models/grouped_matmul.py);
+    # n_layers: the preset's decoder-block count unless set (tests run 2-layer `tiny` models).
     c.model = ml_collections.ConfigDict(
-        {"preset": "tiny", "init_std": 0.02, "grouped_matmul": "ragged_dot"}
+        {
+            "preset": "tiny",
+            "init_std": 0.02,
+            "grouped_matmul": "ragged_dot",
+            "n_layers": ml_collections.config_dict.placeholder(int),
+        }
     )
     # Devices: "data" splits each rollout batch, "expert" the routed experts (1 x 1: one device).
     c.mesh = ml_collections.ConfigDict({"data": 1, "expert": 1})

@@ -410,7 +410,8 @@ def bench_decode_step(quick: bool, contexts, backends=("xla", "pallas")) -> list
     """
     if "pallas" not in backends or not set(backends) <= {"xla", "pallas"}:
         raise ValueError(f"backends must include 'pallas' and be among xla, pallas: {backends}")
-    cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
+    # quick: a CPU smoke run, two decoder blocks to keep its compiles short
+    cfg = ModelConfig.tiny(head_dim=32, n_layers=2) if quick else ModelConfig.small()
     b = 2 if quick else 16
     n_steps = 2 if quick else 8
     contexts = [64] if quick else contexts

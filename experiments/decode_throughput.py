@@ -167,7 +167,8 @@ def plot_from(path: str) -> str:
 def run(
     *, quick: bool, lengths, variants, outdir: str, name: str, batch: int, repeats: int
 ) -> list[dict]:
-    cfg = ModelConfig.tiny(head_dim=32) if quick else ModelConfig.small()
+    # quick: a CPU smoke run, two decoder blocks to keep its compiles short
+    cfg = ModelConfig.tiny(head_dim=32, n_layers=2) if quick else ModelConfig.small()
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")

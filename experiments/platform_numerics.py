@@ -125,9 +125,13 @@ def quantize_rows(shape: tuple[int, int]) -> list[dict]:
 
 @contextlib.contextmanager
 def _reciprocal_moved(ulps: int):
-    """`scales.reciprocal` returning the IEEE reciprocal moved `ulps` (+1 / -1) ulp."""
+    """`scales.reciprocal` returning the IEEE reciprocal moved `ulps` (+1 / -1) ulp.
+
+    JAX's caches are cleared on the way in and out: `fp4.quantize` runs its core as a nested jit
+    whose traces would otherwise keep whichever reciprocal they were first traced with."""
     ieee = scales.reciprocal
     toward = jnp.inf if ulps > 0 else 0.0
+    jax.clear_caches()
     scales.reciprocal = lambda d, estimate=None: jnp.nextafter(
         ieee(d, estimate), jnp.float32(toward)
     )
@@ -135,6 +139,7 @@ def _reciprocal_moved(ulps: int):
         yield
     finally:
         scales.reciprocal = ieee
+        jax.clear_caches()
 
 
 def sensitivity_rows(shape: tuple[int, int]) -> list[dict]:
@@ -157,7 +162,8 @@ def sensitivity_rows(shape: tuple[int, int]) -> list[dict]:
 
             def quantized(a, quantize=quantize):
                 # A new function object each call: jit traces again, under the patch if any (the
-                # same `quantize` would reuse its first trace, IEEE reciprocals baked in).
+                # same `quantize` would reuse its first trace, IEEE reciprocals baked in; the
+                # nested jit inside `fp4.quantize` is cleared by `_reciprocal_moved`).
                 q = jax.jit(lambda v: quantize(v))(a)
                 return np.asarray(q.codes), np.asarray(scales.to_bits(q.scales))
 

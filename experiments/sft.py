@@ -40,13 +40,18 @@ import matplotlib.pyplot as plt
 
 
 def model_config(cfg) -> ModelConfig:
-    """The `ModelConfig` named by `cfg.model` (preset + overrides)."""
+    """The `ModelConfig` named by `cfg.model` (preset + overrides: `init_std`, `grouped_matmul`
+    and, when set, `n_layers`)."""
     presets = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
     if cfg.model.preset not in presets:
         raise ValueError(f"unknown model preset {cfg.model.preset!r}; expected {sorted(presets)}")
+    overrides = {}
+    if cfg.model.get("n_layers") is not None:  # ModelConfig rejects values below 1
+        overrides["n_layers"] = cfg.model.n_layers
     return presets[cfg.model.preset](
         init_std=cfg.model.init_std,
         grouped_matmul=cfg.model.get("grouped_matmul", "ragged_dot"),
+        **overrides,
     )
 
 

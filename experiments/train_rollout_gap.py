@@ -76,6 +76,7 @@ def router_agreement(train_experts, roll_experts, processed) -> float:
 def define_flags() -> None:
     """Command-line flags (defined only when run as a script)."""
     flags.DEFINE_enum("preset", "tiny", ["tiny", "small"], "model preset")
+    flags.DEFINE_integer("n_layers", 0, "decoder blocks (0: the preset's)")
     flags.DEFINE_enum(
         "formats", "nvfp4", ["nvfp4", "mxfp4_w4a4", "mxfp4_w4a8"], "FP4 recipe (W/A/KV)"
     )
@@ -104,6 +105,7 @@ def define_flags() -> None:
 def run(
     *,
     preset: str = "tiny",
+    n_layers: int = 0,
     formats: str = "nvfp4",
     guidance_layers: str = "half",
     seed: int = 0,
@@ -117,9 +119,10 @@ def run(
     outdir: str = results_io.RESULTS_DIR,
     name: str = "train_rollout_gap",
 ) -> list[dict]:
-    """Measures the gap in every mode and writes the results; returns the rows."""
+    """Measures the gap in every mode and writes the results; returns the rows. `n_layers`: the
+    model's decoder blocks (0: the preset's)."""
     presets = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
-    cfg = presets[preset](init_std=init_std)
+    cfg = presets[preset](init_std=init_std, **({"n_layers": n_layers} if n_layers else {}))
     layers = guided_layers(guidance_layers, cfg.n_layers)
     qcfg = recipe(formats, layers)
     key = jax.random.key(seed)
@@ -320,6 +323,7 @@ def main(argv):
     f = flags.FLAGS
     run(
         preset=f.preset,
+        n_layers=f.n_layers,
         formats=f.formats,
         guidance_layers=f.guidance_layers,
         seed=f.seed,

@@ -7,18 +7,20 @@ import json
 import pytest
 
 from experiments import bench_guidance_store as bench
-from trace_jax.models import ModelConfig
+from tests import tiny
 
 
 def test_guidance_has_the_sites_and_shapes_of_the_method():
-    cfg = ModelConfig.tiny()
+    cfg = tiny.model_config()
     g = bench.random_guidance(cfg, "trace", "nvfp4", rows=3, tokens=5)
+    deeper = range(cfg.n_layers // 2, cfg.n_layers)  # TRACE guides the deeper half
     assert set(g) == {
-        f"{layer}/{s}" for layer in (2, 3) for s in ("expert_in", "expert_mid", "k", "v")
+        f"{layer}/{s}" for layer in deeper for s in ("expert_in", "expert_mid", "k", "v")
     }
-    assert g["3/expert_in"].shape == (3, 5, cfg.d_model)
-    assert g["2/expert_mid"].shape == (3, 5, cfg.top_k, cfg.d_ff_expert)
-    assert g["2/k"].shape == (3, 5, cfg.n_kv_heads, cfg.head_dim)
+    last = cfg.n_layers - 1
+    assert g[f"{last}/expert_in"].shape == (3, 5, cfg.d_model)
+    assert g[f"{last}/expert_mid"].shape == (3, 5, cfg.top_k, cfg.d_ff_expert)
+    assert g[f"{last}/k"].shape == (3, 5, cfg.n_kv_heads, cfg.head_dim)
     full = bench.random_guidance(cfg, "trace_full", "nvfp4", rows=3, tokens=5)
     assert len(full) == 4 * cfg.n_layers and full["0/v"].payload.shape[-1] == cfg.head_dim // 2
 

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+from configs import small_gpu, tiny_cpu
 from experiments import sft
 from trace_jax import tasks
 from trace_jax.rl.methods import FORMAT_PRESETS, METHODS, get_method
@@ -27,3 +28,17 @@ def test_config_builds(name):
     assert cfg.rl.prompts_per_step > 0 and cfg.rl.group_size > 1
     assert set(cfg.eval.splits) <= set(tasks.SPLIT_NAMES)
     assert sft.pad_length(cfg.tasks.levels) > 0
+
+
+def test_model_n_layers_overrides_the_preset_when_set():
+    cfg = tiny_cpu.get_config()
+    assert cfg.model.n_layers is None and sft.model_config(cfg).n_layers == 4
+    cfg.model.n_layers = 3
+    assert sft.model_config(cfg).n_layers == 3
+    big = small_gpu.get_config()
+    big.model.n_layers = 2
+    mcfg = sft.model_config(big)
+    assert (mcfg.n_layers, mcfg.d_model) == (2, 512)  # the small preset's other fields stay
+    cfg.model.n_layers = 0
+    with pytest.raises(ValueError, match="n_layers"):
+        sft.model_config(cfg)

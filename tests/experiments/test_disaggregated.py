@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from configs import tiny_cpu
 from experiments import disaggregated
 from experiments import main as rl_main
+from tests import tiny
 
 OVERRIDES = dict(
     prompts_per_step=2,
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _cfg(steps):
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.rl.update(steps=steps, **OVERRIDES)
     return cfg
 
@@ -40,6 +40,7 @@ def _run_both(workdir, steps, lag):
         "-m",
         "experiments.disaggregated",
         "--config=configs/tiny_cpu.py",
+        f"--config.model.n_layers={tiny.N_LAYERS}",
         f"--workdir={workdir}",
         f"--lag={lag}",
         "--timeout_s=300",

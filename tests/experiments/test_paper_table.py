@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny_cpu
 from experiments import main as rl_main
 from experiments import paper_table
+from tests import tiny
 
 
 def _cfg():
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
     cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
     cfg.rl.update(

@@ -8,15 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from configs import tiny_cpu
 from experiments import main as rl_main
 from experiments import ptq_table, sft
+from tests import tiny
 from trace_jax.models import init_model
 from trace_jax.quant import ptq
 
 
 def test_ptq_table_rows(tmp_path):
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.eval.update(splits=("level1", "aime24"), problems_per_split=2, max_new_tokens=6)
     cfg.rl.update(
         steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6, eval_every=0, mismatch_every=0
@@ -79,7 +79,7 @@ def test_seed_rows_are_saved_reused_and_recomputed_per_policy(tmp_path, monkeypa
 
     monkeypatch.setattr(ptq_table, "bf16_policy_rows", fake_bf16_rows)
     monkeypatch.setattr(ptq_table, "trace_policy_row", fake_trace_row)
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     kw = dict(outdir=str(tmp_path), name="t7", calibration_prompts=1)
     # The BF16 policies first (TRACE still training): a table without the TRACE row.
     rows = ptq_table.run(cfg, bf16_policies=["a", "bb"], **kw)
@@ -106,11 +106,11 @@ def test_seed_rows_are_saved_reused_and_recomputed_per_policy(tmp_path, monkeypa
 
 def test_missing_policy_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no policy at"):
-        ptq_table.load_policy(tiny_cpu.get_config(), str(tmp_path / "nowhere"))
+        ptq_table.load_policy(tiny.experiment_config(), str(tmp_path / "nowhere"))
 
 
 def test_average_is_over_the_benchmark_splits(monkeypatch):
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.eval.update(splits=("level1", "aime24", "aime25"), problems_per_split=1)
     scores = iter([0.9, 0.2, 0.4])  # level1 (training distribution) is left out of the average
     monkeypatch.setattr(ptq_table, "evaluate_pass_at_1", lambda *a, **k: next(scores))
@@ -121,7 +121,7 @@ def test_average_is_over_the_benchmark_splits(monkeypatch):
 def test_a_policy_short_of_its_final_step_is_refused(tmp_path):
     """The table's policies are final: a run whose latest checkpoint is step 0 of its 2 steps is
     refused before anything is restored (the check reads the step only)."""
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.rl.steps = 2
     mngr = rl_main._checkpointer(str(tmp_path / "run"), 1)
     mngr.save(0, args=rl_main.ocp.args.StandardSave({"x": np.zeros(2)}))

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny_cpu
 from experiments import main as rl_main
 from experiments import sft
+from tests import tiny
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import init_model
 
 
 def _cfg():
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.rl.update(
         steps=3,
         prompts_per_step=2,
@@ -133,6 +133,8 @@ def test_mismatch_steps_log_per_site_code_mismatch(tmp_path):
     rows = {}
     for method in ("trace", "fp4_qat"):
         cfg = _cfg()
+        # The preset's four blocks: with two, no code flipped at the deeper half's sites.
+        cfg.model.n_layers = None
         cfg.model.init_std = 0.08  # activations large enough for FP4 codes to flip at all
         cfg.rl.update(steps=1, method=method, mismatch_every=1, max_new_tokens=16)
         rows[method] = rl_main.run(cfg, str(tmp_path / method))[0]

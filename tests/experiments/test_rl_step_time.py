@@ -9,9 +9,9 @@ import matplotlib.axes
 import numpy as np
 import pytest
 
-from configs import tiny_cpu
 from experiments import main as rl_main
 from experiments import rl_step_time
+from tests import tiny
 
 
 def _fake_run(times: dict[str, list[tuple[float, float, float]]]):
@@ -38,7 +38,7 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
     }
     monkeypatch.setattr(rl_main, "run", _fake_run(times))
     rows = rl_step_time.run(
-        tiny_cpu.get_config(),
+        tiny.experiment_config(),
         workdir=str(tmp_path / "w"),
         methods=["trace", "fp4_qat"],
         steps=6,
@@ -114,13 +114,13 @@ def test_peak_memory_recorded_per_method_process(tmp_path, monkeypatch):
 
     for m in ("a", "b"):  # what each --gpus subprocess does
         monkeypatch.setattr(rl_step_time.jax, "local_devices", lambda m=m: [Device(m)])
-        rl_step_time.run_method(tiny_cpu.get_config(), str(work), m, 4, record_memory=True)
+        rl_step_time.run_method(tiny.experiment_config(), str(work), m, 4, record_memory=True)
     rows = rl_step_time.report(str(work), ["a", "b"], 1, "b")
     assert [r["peak_memory_gib"] for r in rows] == [3.0, 2.5]
 
 
 def test_bad_arguments(tmp_path):
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     kw = dict(workdir=str(tmp_path), methods=["trace", "fp4_qat"], outdir=str(tmp_path))
     with pytest.raises(ValueError, match="--reference"):
         rl_step_time.run(cfg, steps=5, reference="bf16", **kw)

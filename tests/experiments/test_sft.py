@@ -8,13 +8,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from configs import tiny_cpu
 from experiments import sft
+from tests import tiny
 from trace_jax.models import init_model
 
 
 def test_sft_runs_and_checkpoint_restores(tmp_path):
-    cfg = tiny_cpu.get_config()
+    cfg = tiny.experiment_config()
     cfg.sft.steps = 3
     cfg.sft.warmup_steps = 1
     cfg.sft.log_every = 1

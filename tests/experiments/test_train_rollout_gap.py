@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 from experiments import train_rollout_gap
+from tests import tiny
 
 
 def test_train_rollout_gap_smoke(tmp_path):
-    train_rollout_gap.run(batch=2, prompt_len=4, max_new=4, outdir=str(tmp_path), name="gap")
+    train_rollout_gap.run(
+        n_layers=tiny.N_LAYERS, batch=2, prompt_len=4, max_new=4, outdir=str(tmp_path), name="gap"
+    )
     data = json.loads((tmp_path / "gap.json").read_text())
     rows = data["rows"]
     assert [r["mode"] for r in rows] == ["off (bf16 pair)"] + [

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import tiny
 from trace_jax import fp4
 from trace_jax.models import (
-    ModelConfig,
     PackedTensorCache,
     Qwen3MoE,
     decode_step,
@@ -19,7 +19,7 @@ from trace_jax.models import (
     prefill_jit,
 )
 
-CFG32 = ModelConfig.tiny(dtype=jnp.float32, init_std=0.1)
+CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.1)
 LENGTHS = np.array([7, 3, 5])  # prompt lengths, right-padded to 7
 N_DECODE = 4
 MAX_LEN = 16
@@ -125,7 +125,7 @@ def test_inactive_sequences_do_not_advance(model, seqs):
 
 
 def test_bfloat16_cache_dtype_and_finite(seqs):
-    cfg = ModelConfig.tiny()
+    cfg = tiny.model_config()
     model = init_model(cfg, seed=0)
     cache = init_cache(cfg, batch=3, max_len=MAX_LEN)
     assert cache.layers[0].k.dtype == jnp.bfloat16 and len(cache.layers) == cfg.n_layers

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests import tiny
 from trace_jax import fp4
 from trace_jax.quant import ptq
 
@@ -102,10 +103,10 @@ def test_model_ptq_vanilla_equals_the_weight_sites_and_hscale_lowers_weighted_er
     import jax.numpy as jnp
     from flax import nnx
 
-    from trace_jax.models import ModelConfig, init_model
+    from trace_jax.models import init_model
     from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 
-    cfg = ModelConfig.tiny(init_std=0.08)
+    cfg = tiny.model_config(init_std=0.08)
     tokens = jax.random.randint(jax.random.key(0), (3, 10), 1, cfg.vocab_size)
     valid = jnp.arange(10)[None, :] < jnp.array([[10], [7], [4]])
     model = init_model(cfg, seed=1)

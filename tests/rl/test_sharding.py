@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import tiny
 from tests.rl.rollouts import task_rollout
-from trace_jax.models import ModelConfig, init_model
+from trace_jax.models import init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.sharding import make_mesh, shard_batch, shard_model, shard_optimizer
 from trace_jax.rl.step import grpo_step, old_logprobs
 
-CFG = ModelConfig.tiny(dtype=jnp.float32)
+CFG = tiny.model_config(dtype=jnp.float32)
 GRPO = GRPOConfig(group_size=2, learning_rate=1e-3)
 
 

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import tiny
 from tests.rl.rollouts import task_rollout
 from trace_jax import tasks
-from trace_jax.models import ModelConfig, init_model
+from trace_jax.models import init_model
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.methods import METHODS, get_method
 from trace_jax.rl.step import grpo_step, old_logprobs, sft_step
 
-CFG = ModelConfig.tiny()
+CFG = tiny.model_config()
 GRPO = GRPOConfig(group_size=2, learning_rate=1e-3)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import tiny
 from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -17,7 +18,7 @@ from trace_jax.rollout.sampler import pack_rows, unpack_rows
 from trace_jax.rollout.sampling import filter_logits
 from trace_jax.train import train_forward
 
-CFG32 = ModelConfig.tiny(dtype=jnp.float32, init_std=0.08)
+CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.08)
 QCFG = QuantConfig.nvfp4()
 
 
@@ -178,7 +179,7 @@ def test_packed_cache_holds_the_sites_codes(model):
     # FP4 cache bytes per element: 4 bits + E4M3 scale / 16 + f32 global scale / head_dim.
     per_el = cache.layers[0].k.nbytes * 8 / (3 * 12 * CFG32.n_kv_heads * CFG32.head_dim)
     assert per_el == pytest.approx(4 + 8 / 16 + 32 / 16)
-    g = r.guidance["3/k"]
+    g = r.guidance[f"{CFG32.n_layers - 1}/k"]
     assert g.rollout_codes().shape == (3, 12, CFG32.n_kv_heads, CFG32.head_dim)
     # Codes are FP4 codes at processed slots; scales are finite there.
     proc = np.asarray(r.processed)
@@ -198,7 +199,7 @@ def test_bad_inputs(model):
 
 def test_mxfp4_rollout_is_finite():
     """Regression: unwritten packed-cache slots must hold finite scales (E8M0 zeros are NaN)."""
-    cfg = ModelConfig.tiny(head_dim=32)
+    cfg = tiny.model_config(head_dim=32)
     qcfg = QuantConfig.mxfp4_w4a4()
     m = init_model(cfg, seed=0)
     prompts, lengths = _prompts()
@@ -214,7 +215,7 @@ def test_mxfp4_rollout_is_finite():
 
 def test_bf16_decode_matches_teacher_forced_forward():
     """bf16 compute, both paths jitted: per-token log-probs agree to bf16 rounding (0.05 max)."""
-    cfg = ModelConfig.tiny(init_std=0.08)
+    cfg = tiny.model_config(init_std=0.08)
     m = init_model(cfg, seed=3)
     prompts, lengths = _prompts()
     r = _generate(
@@ -234,7 +235,9 @@ def test_bf16_decode_matches_teacher_forced_forward():
 
 
 def _pallas_and_xla_rollouts(dtype):
-    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=dtype)  # the kernel needs Dh >= 32
+    # The `tiny` preset itself (the issue's criterion: same greedy tokens on `tiny`); the kernel
+    # needs Dh >= 32.
+    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=dtype)
     m = init_model(cfg, seed=0)
     prompts, lengths = _prompts()
     keys = QCFG.all_keys(cfg.n_layers)
@@ -315,7 +318,7 @@ def test_pallas_backend_runs_prequantized_weights_unpacked():
 
     from trace_jax.quant import ptq
 
-    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=jnp.float32)
+    cfg = tiny.model_config(head_dim=32, init_std=0.08, dtype=jnp.float32)
     m = init_model(cfg, seed=0)
     ptq.quantize_model_experts(m, "4over6")
     qcfg = QuantConfig.nvfp4(weights_prequantized=True)

@@ -9,15 +9,16 @@ import pytest
 from flax import nnx
 
 from experiments.train_rollout_gap import router_agreement as numpy_agreement
+from tests import tiny
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance
-from trace_jax.models import ModelConfig, init_model
+from trace_jax.models import init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rollout import SamplingConfig, generate
 from trace_jax.train import train_forward
 from trace_jax.train.forward import router_agreement
 
-CFG = ModelConfig.tiny(init_std=0.08)  # bf16 compute, as the real stacks
+CFG = tiny.model_config(init_std=0.08)  # bf16 compute, as the real stacks
 QCFG = QuantConfig.nvfp4()
 # Jitted like a real trainer. (Run eagerly, every bf16 op rounds its output and the trainer's
 # values drift far from the jitted rollout's: 20-40% code mismatch in the last layer.)

@@ -71,11 +71,18 @@ def reciprocal_rn(
     d = jnp.asarray(d, jnp.float32)
     if estimate is not None:
         return _corrected_reciprocal(d, estimate)
-    return jax.lax.platform_dependent(
-        d,
-        cpu=lambda v: jnp.float32(1.0) / v,
-        default=lambda v: _corrected_reciprocal(v, None),
-    )
+    return jax.lax.platform_dependent(d, cpu=_quotient, default=_corrected_by_division)
+
+
+# Module-level branches of `reciprocal_rn`'s `platform_dependent`: the same function objects on
+# every call let JAX reuse their traced jaxprs for equal shapes (fresh lambdas were traced anew at
+# every quantization site: a third of a tiny model's trace time).
+def _quotient(d: jax.Array) -> jax.Array:
+    return jnp.float32(1.0) / d
+
+
+def _corrected_by_division(d: jax.Array) -> jax.Array:
+    return _corrected_reciprocal(d, None)
 
 
 def _corrected_reciprocal(d: jax.Array, estimate: Callable[[jax.Array], jax.Array] | None):

