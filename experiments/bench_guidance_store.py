@@ -19,7 +19,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import results_io
+from experiments import harness
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import ModelConfig
@@ -103,14 +103,14 @@ def run(*, preset, method, fmt, rows, tokens, mini_batches, steps, outdir, name)
         out.append(row)
         print(row, flush=True)
     cols = ["preset", "method", "durable", "MB_per_step", "write_s", "read_s", "round_trip_s"]
-    table = results_io.markdown_table(out, [*cols, "write_MBps"], fmt=".3g")
+    table = harness.markdown_table(out, [*cols, "write_MBps"], fmt=".3g")
     notes = (
         f"{rows} rollouts x {tokens} tokens per step in {mini_batches} mini-batch entries, the "
         f"guidance `{method}` captures on `{preset}` ({fmt}); random host data of the real shapes "
         f"on a local-directory store; median of {steps} steps after a warm-up. `durable`: an "
         "fsync per file before an entry counts as committed."
     )
-    results_io.write_results(
+    harness.write_results(
         name, out, title="Guidance store round trip per GRPO step", table=table, notes=notes,
         outdir=outdir,
     )  # fmt: skip
@@ -133,6 +133,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("tokens", 180, "tokens per rollout (prompt + response)")
     flags.DEFINE_integer("mini_batches", 2, "store entries per step")
     flags.DEFINE_integer("steps", 5, "timed steps")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "guidance_store", "result file stem")
     app.run(main)

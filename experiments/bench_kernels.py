@@ -29,8 +29,8 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from experiments import results_io
-from experiments.timing import nbytes, time_fn, time_interleaved
+from experiments import harness
+from experiments.harness import nbytes, paired_ratio, time_fn, time_interleaved
 from kernels_pallas.fp4_decode_attention import api as attn
 from kernels_pallas.fp4_moe_matmul import api as moe
 from kernels_pallas.fp4_moe_matmul.reference import pack_weights
@@ -83,7 +83,7 @@ def ceilings(quick: bool) -> dict[str, float]:
 # copy bandwidth toward MXFP4's 31%; column tiles give 2-D tiles and 8-16x more programs (NVFP4
 # then reads each row once more for its global scale, inside the timed call). The last four
 # (session 10): larger row-loop programs, NVFP4 with its global scale inside the kernel.
-# Alternating timing rounds per decode-step context (`timing.time_interleaved`).
+# Alternating timing rounds per decode-step context (`harness.time_interleaved`).
 STEP_ROUNDS = 7
 # (rows per program, column tile or None, warps, row-loop chunk or None), see `fp4_quantize`.
 QUANTIZE_LAUNCHES = (
@@ -372,12 +372,6 @@ class Laps:
         self.seconds[part], self._last = now - self._last, now
 
 
-def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
-    """The median over rounds of `num`'s time over `den`'s in the same round."""
-    pairs = zip(by_round[num], by_round[den], strict=True)
-    return statistics.median(x / y for x, y in pairs)
-
-
 def _filled_cache(cfg, b, ctx, kv_format, kernel_backend, seed, extra=1):
     """A cache holding `ctx` random tokens per sequence (as if prefilled) and `extra` free slots,
     bf16 or packed FP4."""
@@ -554,7 +548,7 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
     }
     tables = "\n\n".join(
         [
-            results_io.markdown_table(
+            harness.markdown_table(
                 q_rows,
                 [
                     "op",
@@ -567,7 +561,7 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
                     "bandwidth_fraction_of_copy",
                 ],
             ),
-            results_io.markdown_table(
+            harness.markdown_table(
                 a_rows,
                 [
                     "shape",
@@ -582,7 +576,7 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
                     "bf16_twin_rel_err_vs_xla",
                 ],
             ),
-            results_io.markdown_table(
+            harness.markdown_table(
                 m_rows,
                 [
                     "phase",
@@ -597,7 +591,7 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
                     "fp4_rel_err_vs_reference",
                 ],
             ),
-            results_io.markdown_table(
+            harness.markdown_table(
                 s_rows,
                 [
                     "preset",
@@ -636,7 +630,7 @@ def _write(rows, ceil, errors, quick, outdir, name, previous):
             f" Section {section}{which} is kept from an earlier run, {measured_by}; its "
             "fractions use that run's ceilings."
         )
-    results_io.write_results(
+    harness.write_results(
         name,
         q_rows + a_rows + m_rows + s_rows,
         title="FP4 kernels",
@@ -674,7 +668,7 @@ def define_flags() -> None:
     """Command-line flags (defined only when run as a script)."""
     flags.DEFINE_bool("quick", False, "tiny sizes, CPU smoke run (numbers meaningless)")
     flags.DEFINE_list("contexts", ["4096", "8192", "32768", "65536", "131072"], "")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "kernels", "result file stem")
     flags.DEFINE_list("sections", list(SECTIONS), "benchmarks to run")
     flags.DEFINE_list(
@@ -690,7 +684,7 @@ def run(
     *,
     quick: bool = False,
     contexts: list[str] = ("4096", "8192", "32768", "65536", "131072"),
-    outdir: str = results_io.RESULTS_DIR,
+    outdir: str = harness.RESULTS_DIR,
     name: str = "kernels",
     sections: tuple[str, ...] = SECTIONS,
     step_contexts: list[str] = ("4096", "8192", "32768", "65536", "131072"),
@@ -719,7 +713,7 @@ def run(
         if section not in sections:
             return [r for r in previous.get("rows", []) if r.get("section") == section]
         try:
-            meta = results_io.provenance()
+            meta = harness.provenance()
             measured = f"`{meta['command']}` ({meta['date']})"
             new = [{"section": section, "measured_by": measured, **r} for r in fn(*args)]
             return merge_rows(section, previous.get("rows", []), new)

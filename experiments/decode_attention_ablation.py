@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from jax.experimental import pallas as pl
 
-from experiments import results_io
+from experiments import harness
 from experiments.bench_kernels import _key, _kv, _packed, _time, ceilings
-from experiments.timing import nbytes
+from experiments.harness import nbytes
 from kernels_pallas.fp4_decode_attention import api
 from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
@@ -323,11 +323,11 @@ def main(argv):
     rows, ceil = bench(f.quick, [int(c) for c in f.contexts])
     cols = ["shape", "context", "variant", "ms", "added_ms", "bandwidth_fraction_of_read"]
     cols += ["error"] if any("error" in r for r in rows) else []
-    results_io.write_results(
+    harness.write_results(
         f.name,
         rows,
         title="FP4 decode attention, cut down stage by stage",
-        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        table=harness.markdown_table(rows, cols, fmt=".4g"),
         notes=(
             "Each fp4 row is the production launch with the kernel body cut after that stage "
             "(module docstring of `experiments/decode_attention_ablation.py`); `added_ms`: over "
@@ -340,6 +340,6 @@ def main(argv):
 if __name__ == "__main__":
     flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
     flags.DEFINE_list("contexts", ["32768", "131072"], "context lengths")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "decode_attention_ablation", "result file stem")
     app.run(main)

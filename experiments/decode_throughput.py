@@ -34,7 +34,7 @@ import matplotlib
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments import results_io
+from experiments import harness
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import SiteMode
@@ -158,7 +158,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
 def plot_from(path: str) -> str:
     """Redraws `<name>.png` beside a written `<name>.json`; returns the PNG's path."""
     required = ("variant", "output_length", "tokens_per_s")
-    rows = results_io.rows_written_by(path, "experiments.decode_throughput", required)
+    rows = harness.rows_written_by(path, "experiments.decode_throughput", required)
     out = os.path.splitext(path)[0] + ".png"
     plot(rows, out)
     return out
@@ -175,7 +175,7 @@ def run(
     rows = measure(cfg, batch, prompt_len=16 if quick else 64, lengths=lengths,
                    variants=variants, repeats=repeats)  # fmt: skip
     cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
-    table = results_io.markdown_table(rows, [*cols, "compile_s"], fmt=".4g")
+    table = harness.markdown_table(rows, [*cols, "compile_s"], fmt=".4g")
     notes = (
         f"Model `{'tiny' if quick else 'small'}` (random init), batch {batch}, prompt "
         f"{16 if quick else 64} tokens, NVFP4 W/A/KV for the FP4 variants, temperature 1, no stop "
@@ -185,7 +185,7 @@ def run(
         + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if quick else "")
         + f"\n\n![tokens/s vs output length]({name}.png)"
     )
-    results_io.write_results(
+    harness.write_results(
         name,
         rows,
         title="Rollout decode throughput vs output length",
@@ -221,7 +221,7 @@ if __name__ == "__main__":
     flags.DEFINE_list("variants", list(VARIANTS), "which rollouts to time")
     flags.DEFINE_integer("batch", 16, "sequences per rollout")
     flags.DEFINE_integer("repeats", 2, "timed rollouts per variant (after one warm-up)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "decode_throughput", "result file stem")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
     app.run(main)

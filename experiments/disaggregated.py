@@ -34,8 +34,8 @@ from flax import nnx
 from ml_collections import config_flags
 
 from experiments import main as rl_main
-from experiments.metrics_log import MetricsLog
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rollout import Rollout
 
 _ROLLOUT_FIELDS = ("tokens", "prompt_lengths", "lengths", "logprobs", "response_mask")

@@ -36,7 +36,6 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import sft
-from experiments.metrics_log import MetricsLog, drop_rows_from, read_rows
 from trace_jax import tasks
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
@@ -46,6 +45,7 @@ from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
 from trace_jax.rl.methods import MethodSetup, get_method, layers_from_spec
+from trace_jax.rl.metrics_log import MetricsLog, drop_rows_from, read_rows
 from trace_jax.rl.sharding import make_mesh, shard_batch, shard_model, shard_optimizer
 from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate

@@ -21,7 +21,7 @@ import matplotlib
 from absl import app, flags, logging
 from tqdm import tqdm
 
-from experiments import results_io
+from experiments import harness
 from trace_jax import fp4
 
 matplotlib.use("Agg")
@@ -111,7 +111,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("rows", 2048, "tokens per tensor")
     flags.DEFINE_integer("cols", 1024, "channels per token (multiple of 32)")
     flags.DEFINE_integer("seed", 0, "PRNG seed")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
 
 
 def run(
@@ -121,7 +121,7 @@ def run(
     rows: int,
     cols: int,
     seed: int,
-    outdir: str = results_io.RESULTS_DIR,
+    outdir: str = harness.RESULTS_DIR,
 ) -> list[dict]:
     """Runs the sweep and writes the results; returns the rows."""
     eps_values = [float(e) for e in eps]
@@ -164,7 +164,7 @@ def run(
         "full_bits_per_element",
         "compact_bits_per_element",
     ]
-    table = results_io.markdown_table(rows, cols)
+    table = harness.markdown_table(rows, cols)
     notes = (
         f"{rows} x {cols} activation-like float32 tensor (normal values, log-normal "
         "channel scales, 1% outlier channels x20); `x_rollout = x_train * (1 + eps * N(0, 1))`. "
@@ -178,7 +178,7 @@ def run(
         "two moves the whole block). Guided rounding uses the rollout's scales, so it has no "
         "scale flips. In the plot, zero mismatch is drawn at 1e-9."
     )
-    paths = results_io.write_results(
+    paths = harness.write_results(
         "mismatch_analysis",
         rows,
         title="Mismatch analysis: FP4 codes, train vs rollout",

@@ -38,9 +38,9 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import harness, sft
 from experiments import main as rl_main
-from experiments import results_io, sft
-from experiments.metrics_log import read_rows
+from trace_jax.rl.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -416,11 +416,11 @@ def run(
     name = cfg.table.name
     cols = ["run", "average", "average_std"]
     cols += [c for s in cfg.eval.splits for c in (s, f"{s}_std")] + ["seeds"]
-    table = results_io.markdown_table(rows + sft_rows(cfg, workdir), cols, fmt=".3f")
+    table = harness.markdown_table(rows + sft_rows(cfg, workdir), cols, fmt=".3f")
     table += "\n\nTraining-log statistics (means over steps, then seeds; `code_mismatch` and "
     table += "`one_apart_fraction` over the mismatch-measuring steps, every "
     table += f"{cfg.rl.get('mismatch_every', 0)} steps; n/a: the trainer quantizes nothing):\n\n"
-    table += results_io.markdown_table(rows, ["run", *STAT_KEYS], fmt=".4g")
+    table += harness.markdown_table(rows, ["run", *STAT_KEYS], fmt=".4g")
     notes = (
         f"{cfg.table.title}. Model `{cfg.model.preset}`, SFT warm start {cfg.sft.steps} steps, "
         f"{cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} "
@@ -459,7 +459,7 @@ def run(
         )
     if missing:
         notes = f"**Partial table**: seeds not yet run: {', '.join(missing)}.\n\n" + notes
-    results_io.write_results(
+    harness.write_results(
         name,
         rows,
         title=cfg.table.title,
@@ -495,7 +495,7 @@ def main(argv):
 if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "table config file", lock_config=True)
     flags.DEFINE_string("workdir", "workdir/table", "runs, checkpoints, guidance stores")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where the table is written")
     flags.DEFINE_integer("chunk_steps", 25, "GRPO steps per resumable chunk")
     flags.DEFINE_float("deadline_s", 0, "stop starting chunks after this many seconds (0: none)")
     flags.DEFINE_string("shard", "", "i/n: train only the (run, seed) pairs i, i+n, ... (workers)")

@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags, logging
 from jax.experimental import pallas as pl
 
-from experiments import results_io
+from experiments import harness
 from kernels_pallas import common
 from trace_jax import fp4
 from trace_jax.fp4 import scales
@@ -206,11 +206,11 @@ def run(*, quick: bool, outdir: str, name: str, sections: tuple[str, ...] = SECT
     cols += ["pallas_vs_xla", "codes_differ", "scales_differ", "global_scales_differ"]
     cols += ["max_abs_dequantized_diff"]
     cols = [c for c in cols if any(c in r for r in rows)]  # the sections run
-    results_io.write_results(
+    harness.write_results(
         name,
         rows,
         title="The quantizer's bits on the device against the CPU",
-        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        table=harness.markdown_table(rows, cols, fmt=".4g"),
         notes=(
             f"Device {getattr(device, 'device_kind', device.platform)} against the host CPU of "
             "the same run (module docstring of `experiments/platform_numerics.py`). reciprocal: "
@@ -232,7 +232,7 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.DEFINE_bool("quick", False, "small sizes (a smoke run)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "platform_numerics", "result file stem")
     flags.DEFINE_list("sections", list(SECTIONS), "checks to run")
     app.run(main)

@@ -38,9 +38,9 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from experiments import harness, paper_table, sft
 from experiments import main as rl_main
-from experiments import paper_table, results_io, sft
-from experiments.gpu_workers import run_workers
+from experiments.harness import run_workers
 from trace_jax import tasks
 from trace_jax.models import init_model
 from trace_jax.quant import QuantConfig, SiteMode, ptq
@@ -212,7 +212,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
 def plot_from(path: str) -> str:
     """Redraws `<table>.png` beside a written `<table>.json` (its policies may be gone); returns
     the PNG's path."""
-    rows = results_io.rows_written_by(path, "experiments.ptq_table", ("policy", "average_seeds"))
+    rows = harness.rows_written_by(path, "experiments.ptq_table", ("policy", "average_seeds"))
     out = os.path.splitext(path)[0] + ".png"
     plot(rows, out)
     return out
@@ -224,7 +224,7 @@ def run(
     bf16_policies: Sequence[str],
     trace_policies: Sequence[str] = (),
     calibration_prompts: int = 64,
-    outdir: str = results_io.RESULTS_DIR,
+    outdir: str = harness.RESULTS_DIR,
     name: str = "table7_ptq",
     gpus: Sequence[str] = (),
     worker_seed: int | None = None,
@@ -259,11 +259,11 @@ def run(
         "summed squared error of the routed-expert weights.\n\n"
         f"![pass@1 by policy]({name}.png)"
     )
-    results_io.write_results(
+    harness.write_results(
         name,
         rows,
         title="Table 7 analog: post-training FP4 quantization vs TRACE",
-        table=results_io.markdown_table(rows, columns),
+        table=harness.markdown_table(rows, columns),
         notes=notes,
         outdir=outdir,
     )
@@ -296,7 +296,7 @@ if __name__ == "__main__":
     flags.DEFINE_list("bf16_policy", None, "BF16-trained policies, one per seed (RL workdirs)")
     flags.DEFINE_list("trace_policy", [], "TRACE's final policies, one per seed (optional)")
     flags.DEFINE_integer("calibration_prompts", 64, "training prompts for H-Scale's statistics")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where the table is written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where the table is written")
     flags.DEFINE_string("name", "table7_ptq", "result file stem")
     flags.DEFINE_list("gpus", [], "evaluate the seeds in parallel, seed k on gpus[k % len(gpus)]")
     flags.DEFINE_integer("worker_seed", -1, "internal: evaluate this seed only (a --gpus worker)")

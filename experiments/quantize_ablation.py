@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import results_io
+from experiments import harness
 from experiments.bench_kernels import _key, _time
-from experiments.timing import nbytes
+from experiments.harness import nbytes
 from kernels_pallas import common
 from kernels_pallas.fp4_quantize import api
 from kernels_pallas.fp4_quantize import kernel as K
@@ -209,11 +209,11 @@ def main(argv):
     cols = ["format", "variant", "ms", "added_ms", "fraction_of_copy"]
     cols += ["error"] if any("error" in r for r in rows) else []
     shape = "64 x 256" if f.quick else "65536 x 4096"
-    results_io.write_results(
+    harness.write_results(
         f.name,
         rows,
         title="FP4 quantize + capture, cut down stage by stage",
-        table=results_io.markdown_table(rows, cols, fmt=".4g"),
+        table=harness.markdown_table(rows, cols, fmt=".4g"),
         notes=(
             f"Input {shape} bf16, RTN, the API's column tiles. Each stage row is the "
             "production launch with the kernel body cut after that stage (module docstring of "
@@ -228,6 +228,6 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "quantize_ablation", "result file stem")
     app.run(main)

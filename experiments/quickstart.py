@@ -18,9 +18,9 @@ import matplotlib
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import harness, sft
 from experiments import main as rl_main
-from experiments import results_io, sft
-from experiments.metrics_log import read_rows
+from trace_jax.rl.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -65,17 +65,17 @@ def run(cfg, workdir: str) -> list[dict]:
         f"({rl_s:.0f} s this run); task levels {list(cfg.tasks.levels)}; greedy pass@1. "
         "`level1` is in-distribution; the other splits (levels 2-4) are beyond a model this size."
     )
-    results_io.write_results(
+    harness.write_results(
         "quickstart",
         rows,
         title="Quickstart: SFT warm start, then RL with FP4 rollouts",
-        table=results_io.markdown_table(rows, list(rows[0])),
+        table=harness.markdown_table(rows, list(rows[0])),
         notes=notes,
         outdir=workdir,
         extra={"rl_history": history, "sft_seconds": sft_s, "rl_seconds": rl_s},
     )
     _plot(rows, rl_dir, os.path.join(workdir, "quickstart.png"))
-    print(results_io.markdown_table(rows, list(rows[0])))
+    print(harness.markdown_table(rows, list(rows[0])))
     print(notes)
     return rows
 

@@ -29,10 +29,10 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import harness
 from experiments import main as rl_main
-from experiments import results_io
-from experiments.gpu_workers import run_workers
-from experiments.metrics_log import read_rows
+from experiments.harness import run_workers
+from trace_jax.rl.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -126,7 +126,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
 def plot_from(path: str) -> str:
     """Redraws `<name>.png` beside a written `<name>.json`; returns the PNG's path."""
     required = ("method", *PHASES, "time_step_s", "step_vs_reference")
-    rows = results_io.rows_written_by(path, "experiments.rl_step_time", required)
+    rows = harness.rows_written_by(path, "experiments.rl_step_time", required)
     out = os.path.splitext(path)[0] + ".png"
     plot(rows, out)
     return out
@@ -141,7 +141,7 @@ def run(
     skip: int = 2,
     reference: str = "",
     gpus: Sequence[str] = (),
-    outdir: str = results_io.RESULTS_DIR,
+    outdir: str = harness.RESULTS_DIR,
     name: str = "rl_step_time",
 ) -> list[dict]:
     reference = reference or methods[-1]
@@ -172,16 +172,16 @@ def run(
         f"over `{reference}`'s (paper: TRACE +7.4% over plain FP4 rollout).\n\n"
         f"![step time by phase]({name}.png)"
     )
-    results_io.write_results(
+    harness.write_results(
         name,
         rows,
         title="GRPO step time: TRACE vs plain FP4 rollout",
-        table=results_io.markdown_table(rows, cols),
+        table=harness.markdown_table(rows, cols),
         notes=notes,
         outdir=outdir,
     )
     plot(rows, os.path.join(outdir, f"{name}.png"))
-    print(results_io.markdown_table(rows, cols))
+    print(harness.markdown_table(rows, cols))
     return rows
 
 
@@ -219,7 +219,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("reference", "", "the method others are compared to (default: the last)")
     flags.DEFINE_list("gpus", [], "one GPU per method: run them concurrently, each alone on one")
     flags.DEFINE_string("worker_method", "", "internal: run this one method (a --gpus subprocess)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "rl_step_time", "result file stem")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
     app.run(main)

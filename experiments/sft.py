@@ -26,13 +26,13 @@ from flax import nnx
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from experiments import results_io
-from experiments.metrics_log import MetricsLog
+from experiments import harness
 from trace_jax import tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import evaluate_pass_at_1
+from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.step import sft_step
 
 matplotlib.use("Agg")
@@ -141,8 +141,8 @@ def run(cfg, workdir: str) -> list[dict]:
                 bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
     save_params(model, os.path.join(workdir, "sft_checkpoint"))
     rows = evaluate(model, cfg, jax.random.key(cfg.seed + 1))
-    table = results_io.markdown_table(rows, list(rows[0]))
-    results_io.write_results(
+    table = harness.markdown_table(rows, list(rows[0]))
+    harness.write_results(
         "sft_eval",
         rows,
         title="SFT warm start: pass@1 on the held-out splits",

@@ -21,9 +21,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import paper_table, results_io, sft
-from experiments.metrics_log import read_rows
+from experiments import harness, paper_table, sft
 from trace_jax.rl.methods import get_method, layers_from_spec
+from trace_jax.rl.metrics_log import read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -128,7 +128,7 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def run(cfg, workdir: str, outdir: str = results_io.RESULTS_DIR) -> list[dict]:
+def run(cfg, workdir: str, outdir: str = harness.RESULTS_DIR) -> list[dict]:
     rows = collect(cfg, workdir)
     if not rows:
         raise ValueError(f"no mismatch/<layer>/<site> entries in the run logs under {workdir}")
@@ -146,9 +146,9 @@ def run(cfg, workdir: str, outdir: str = results_io.RESULTS_DIR) -> list[dict]:
                 mark = "*" if r["guided"] else ""
                 row[run_label] = f"{100 * r['mismatch']:.3f} +- {100 * r['mismatch_std']:.3f}{mark}"
         wide.append(row)
-    table = results_io.markdown_table(sums, list(sums[0]))
+    table = harness.markdown_table(sums, list(sums[0]))
     table += "\n\nPer layer and site (code mismatch %, mean +- std over seeds; `*`: guided):\n\n"
-    table += results_io.markdown_table(wide, ["layer/site", *runs])
+    table += harness.markdown_table(wide, ["layer/site", *runs])
     every = cfg.rl.get("mismatch_every", 0)
     notes = (
         f"{cfg.table.title}: code mismatch between the trainer's FP4 codes and the rollout's, per "
@@ -158,7 +158,7 @@ def run(cfg, workdir: str, outdir: str = results_io.RESULTS_DIR) -> list[dict]:
         f"Run logs: `{workdir}`. In the plot (log scale) zeros are drawn at 0.001%."
         f"\n\n![per site]({name}.png)"
     )
-    results_io.write_results(
+    harness.write_results(
         name, rows, title=f"Code mismatch per layer and site: {cfg.table.title}", table=table,
         notes=notes, outdir=outdir, extra={"summary": sums},
     )  # fmt: skip
@@ -175,6 +175,6 @@ def main(argv):
 if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "a table config (configs/table*.py)")
     flags.DEFINE_string("workdir", None, "the table's run directories (<label>/seed<k>/)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main)

@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments import results_io, sft
+from experiments import harness, sft
 from trace_jax import fp4, tasks
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -98,7 +98,7 @@ def define_flags() -> None:
         "task prompts instead of a random one",
     )
     flags.DEFINE_list("task_levels", ["1"], "task levels of the prompts (with --checkpoint)")
-    flags.DEFINE_string("outdir", results_io.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
 
 
@@ -116,7 +116,7 @@ def run(
     init_std: float = 0.08,
     checkpoint: str = "",
     task_levels: tuple[int, ...] = (1,),
-    outdir: str = results_io.RESULTS_DIR,
+    outdir: str = harness.RESULTS_DIR,
     name: str = "train_rollout_gap",
 ) -> list[dict]:
     """Measures the gap in every mode and writes the results; returns the rows. `n_layers`: the
@@ -253,7 +253,7 @@ def run(
         "router_agreement",
         "guidance_bytes_per_token",
     ]
-    table = results_io.markdown_table(rows, cols)
+    table = harness.markdown_table(rows, cols)
     site_rows = []
     for (label, replay), stats in per_layer.items():
         for layer in range(cfg.n_layers):
@@ -279,7 +279,7 @@ def run(
         "`kl`: KL(rollout || train) per response token, k3 estimator on the sampled tokens. "
         "`guidance_bytes_per_token`: guidance held per token slot for the guided sites."
     )
-    paths = results_io.write_results(
+    paths = harness.write_results(
         name,
         rows,
         title="Train-rollout gap: FP4 rollout vs training forward",

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import bench_kernels, timing
+from experiments import harness
 
 
 def _recording(name: str, log: list[str]):
@@ -24,7 +24,7 @@ def test_time_interleaved_warms_up_then_rotates_the_order_each_round():
     ready: list[str] = []
     x = jnp.ones((4,))
     calls = {n: (_recording(n, log), (x,)) for n in "abc"}
-    out = timing.time_interleaved(
+    out = harness.time_interleaved(
         calls, rounds=4, inner=2, trials=1, warmup=1, on_ready=ready.append
     )
     assert ready == ["a", "b", "c"]
@@ -33,10 +33,10 @@ def test_time_interleaved_warms_up_then_rotates_the_order_each_round():
     timed = "".join(log[3:])  # after one warm-up call each
     assert timed == "aabbcc" + "bbccaa" + "ccaabb" + "aabbcc"
     with pytest.raises(ValueError, match="at least one round"):
-        timing.time_interleaved(calls, rounds=0)
+        harness.time_interleaved(calls, rounds=0)
 
 
 def test_paired_ratio_is_the_median_of_same_round_ratios():
     by_round = {"a": [2.0, 4.0, 9.0], "b": [1.0, 1.0, 3.0]}
     # same-round ratios 2, 4, 3 -> 3; the ratio of medians would be 4 / 1 = 4
-    assert bench_kernels.paired_ratio(by_round, "a", "b") == 3.0
+    assert harness.paired_ratio(by_round, "a", "b") == 3.0

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from experiments import results_io
+from experiments import harness
 
 SMI_LINE = "1755 MHz, 1980 MHz, 3201 MHz, 61, 412.50 W\n"
 
@@ -24,8 +24,8 @@ def _fake_smi(stdout: str = SMI_LINE, error: Exception | None = None):
 
 
 def test_gpu_state_parses_nvidia_smi(monkeypatch):
-    monkeypatch.setattr(results_io.subprocess, "run", _fake_smi())
-    assert results_io.gpu_state() == {
+    monkeypatch.setattr(harness.subprocess, "run", _fake_smi())
+    assert harness.gpu_state() == {
         "clocks.sm": "1755 MHz",
         "clocks.max.sm": "1980 MHz",
         "clocks.mem": "3201 MHz",
@@ -45,19 +45,19 @@ def test_gpu_state_parses_nvidia_smi(monkeypatch):
     ],
 )
 def test_gpu_state_none_without_a_readable_gpu(monkeypatch, fake):
-    monkeypatch.setattr(results_io.subprocess, "run", fake)
-    assert results_io.gpu_state() is None
+    monkeypatch.setattr(harness.subprocess, "run", fake)
+    assert harness.gpu_state() is None
 
 
 def test_written_results_carry_the_gpu_state_on_a_gpu(tmp_path, monkeypatch):
     rows = [{"a": 1.5}]
-    paths = results_io.write_results("cpu", rows, title="T", table="|a|", outdir=str(tmp_path))
+    paths = harness.write_results("cpu", rows, title="T", table="|a|", outdir=str(tmp_path))
     meta = json.loads(open(paths["json"]).read())["meta"]
     assert "gpu_state_at_write" not in meta  # the CPU: nothing asked
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
-    monkeypatch.setattr(results_io.jax, "devices", lambda: [gpu])
-    monkeypatch.setattr(results_io.subprocess, "run", _fake_smi())
-    paths = results_io.write_results("gpu", rows, title="T", table="|a|", outdir=str(tmp_path))
+    monkeypatch.setattr(harness.jax, "devices", lambda: [gpu])
+    monkeypatch.setattr(harness.subprocess, "run", _fake_smi())
+    paths = harness.write_results("gpu", rows, title="T", table="|a|", outdir=str(tmp_path))
     saved = json.loads(open(paths["json"]).read())
     assert saved["meta"]["device"].startswith("gpu: NVIDIA H200")
     assert saved["meta"]["gpu_state_at_write"]["clocks.sm"] == "1755 MHz"
@@ -69,10 +69,10 @@ def test_written_results_carry_the_gpu_state_on_a_gpu(tmp_path, monkeypatch):
 def test_rows_written_by_checks_the_producer_keys(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": [{"x": 1, "y": 2}, {"x": 3, "y": 4}]}))
-    assert results_io.rows_written_by(str(path), "m", ("x", "y"))[1] == {"x": 3, "y": 4}
+    assert harness.rows_written_by(str(path), "m", ("x", "y"))[1] == {"x": 3, "y": 4}
     path.write_text(json.dumps({"rows": [{"x": 1, "y": 2}, {"x": 3}]}))
     with pytest.raises(ValueError, match=r"not a result written by m \(rows lack \['y'\]\)"):
-        results_io.rows_written_by(str(path), "m", ("x", "y"))
+        harness.rows_written_by(str(path), "m", ("x", "y"))
     path.write_text(json.dumps({"meta": {}}))
     with pytest.raises(ValueError, match="not a result written by m"):
-        results_io.rows_written_by(str(path), "m", ("x",))
+        harness.rows_written_by(str(path), "m", ("x",))

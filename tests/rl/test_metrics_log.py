@@ -8,7 +8,7 @@ import struct
 import pytest
 from tensorboardX.proto import event_pb2
 
-from experiments.metrics_log import MetricsLog
+from trace_jax.rl.metrics_log import MetricsLog
 
 
 def _tb_scalars(directory):
@@ -44,7 +44,7 @@ def test_jsonl_and_tensorboard_agree_and_append(tmp_path):
 
 
 def test_read_rows_and_drop_rows_from(tmp_path):
-    from experiments.metrics_log import drop_rows_from, read_rows
+    from trace_jax.rl.metrics_log import drop_rows_from, read_rows
 
     path = tmp_path / "r.jsonl"
     path.write_text('{"step": 0, "a": 1.5}\n\n{"step": 1, "a": 2}\n{"step": 2, "a": 3}\n')

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from experiments import gpu_workers
+from experiments import harness
 
 
 def test_worker_command_keeps_flags_but_gpus_and_old_worker_flag():
     argv = ["prog", "--config=c.py", "--gpus=0,1", "--worker_seed=5", "--bf16_policy=a"]
-    cmd = gpu_workers.worker_command("experiments.ptq_table", "worker_seed", 2, argv)
+    cmd = harness.worker_command("experiments.ptq_table", "worker_seed", 2, argv)
     assert cmd == [
         sys.executable, "-m", "experiments.ptq_table", "--worker_seed=2", "--config=c.py",
         "--bf16_policy=a",
@@ -30,9 +30,9 @@ def test_run_workers_pins_gpus_round_robin_and_reports_failures(monkeypatch):
         def wait(self):
             return self.code
 
-    monkeypatch.setattr(gpu_workers.subprocess, "Popen", Proc)
+    monkeypatch.setattr(harness.subprocess, "Popen", Proc)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
-    failed = gpu_workers.run_workers("m", "worker_seed", range(3), ["0", "1"], ["prog"])
+    failed = harness.run_workers("m", "worker_seed", range(3), ["0", "1"], ["prog"])
     assert launched == [
         ("--worker_seed=0", "0"),
         ("--worker_seed=1", "1"),
@@ -40,4 +40,4 @@ def test_run_workers_pins_gpus_round_robin_and_reports_failures(monkeypatch):
     ]
     assert failed == [1]
     with pytest.raises(ValueError, match="GPU"):
-        gpu_workers.run_workers("m", "worker_seed", range(3), [], ["prog"])
+        harness.run_workers("m", "worker_seed", range(3), [], ["prog"])

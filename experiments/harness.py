@@ -1,0 +1,226 @@
+"""Helpers shared by the entry points in `experiments/`: result artifacts, benchmark timing,
+and GPU worker subprocesses.
+
+Results: `write_results` writes `<name>.json` (rows + provenance: command, device, date) and
+`<name>.md` (a markdown table) into `experiments/results/` or another directory.
+
+Timing: median seconds per call of a jitted function, after warm-up. Each trial enqueues `inner`
+calls back to back (JAX dispatch is asynchronous, so the device runs them without gaps whenever a
+call takes longer than its dispatch) and blocks on the last one; the median over trials, divided
+by `inner`, is reported. Calls shorter than the dispatch cost (tens of microseconds) are measured
+as the dispatch cost: report such numbers as upper bounds. `time_interleaved` times several
+functions in alternating rounds, so that a drift of the device (clocks, temperature, a
+neighbour's load) falls on all of them alike and ratios can be taken round by round.
+
+Workers: `run_workers` runs one subprocess per item of a script's work, each pinned to a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def gpu_state() -> dict[str, str] | None:
+    """The first GPU's SM / memory clocks, temperature and power as `nvidia-smi` reports them
+    now, or None without one. Written beside timings because a hot GPU's lower SM clock slows
+    instruction-bound kernels while bandwidth-bound ones keep their speed (kernels_findings
+    item 13)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--id=0", f"--query-gpu={','.join(GPU_STATE_QUERY)}",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
+    return dict(zip(GPU_STATE_QUERY, values, strict=True)) if len(values) == 5 else None
+
+
+def provenance() -> dict[str, Any]:
+    """Date, device and the exact command that produced a result; on a GPU, its clocks,
+    temperature and power when the result was written (`gpu_state`)."""
+    dev = jax.devices()[0]
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{dev.platform}: {getattr(dev, 'device_kind', str(dev))} x{jax.device_count()}",
+        "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),
+        "jax": jax.__version__,
+        "host": platform.machine(),
+    }
+    if dev.platform == "gpu" and (state := gpu_state()) is not None:
+        meta["gpu_state_at_write"] = state
+    return meta
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else os.path.basename(sys.argv[0])
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str = ".4g") -> str:
+    """A markdown table of `columns` from `rows`; floats formatted with `fmt`, cells a row does
+    not have shown as "n/a"."""
+
+    def cell(v: Any) -> str:
+        return format(v, fmt) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "n/a")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str,
+    rows: list[dict[str, Any]],
+    *,
+    title: str,
+    table: str,
+    notes: str = "",
+    outdir: str = RESULTS_DIR,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """Writes `<outdir>/<name>.json` and `.md`; returns their paths."""
+    os.makedirs(outdir, exist_ok=True)
+    meta = provenance()
+    payload = {"meta": meta, "rows": rows, **(extra or {})}
+    json_path = os.path.join(outdir, f"{name}.json")
+    md_path = os.path.join(outdir, f"{name}.md")
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1)
+    header = (
+        f"# {title}\n\n"
+        f"- Regenerate: `{meta['command']}`\n"
+        f"- Date: {meta['date']}; device: {meta['device']}; jax {meta['jax']}\n"
+    )
+    if state := meta.get("gpu_state_at_write"):
+        header += "- GPU when written: " + ", ".join(f"{k} {v}" for k, v in state.items()) + "\n"
+    header += "\n"
+    with open(md_path, "w") as f:
+        f.write(header + table + "\n" + (f"\n{notes}\n" if notes else ""))
+    return {"json": json_path, "md": md_path}
+
+
+def rows_written_by(path: str, producer: str, required: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of a result JSON written by `producer` (a module name, for the error), checked
+    to carry the `required` keys in every row; a clear ValueError otherwise."""
+    with open(path) as f:
+        rows = json.load(f).get("rows")
+    missing = sorted({k for r in rows or [{}] for k in required if k not in r})
+    if not rows or missing:
+        raise ValueError(f"{path} is not a result written by {producer} (rows lack {missing})")
+    return rows
+
+
+def _median_trial(f: Callable, args: tuple, inner: int, trials: int) -> float:
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def time_fn(fn: Callable, *args, inner: int = 20, trials: int = 7, warmup: int = 3) -> float:
+    """Median seconds per call of the jitted `fn(*args)`."""
+    f = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    return _median_trial(f, args, inner, trials)
+
+
+def time_interleaved(
+    calls: Mapping[str, tuple[Callable, tuple]],
+    *,
+    rounds: int = 5,
+    inner: int = 20,
+    trials: int = 3,
+    warmup: int = 3,
+    on_ready: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of several jitted functions, timed in alternation.
+
+    calls: name -> (fn, args). Every function is compiled and warmed up first (`on_ready(name)`
+    after each, e.g. to log or time the compilation); then each of `rounds` rounds times every
+    function once (the median of `trials` trials of `inner` calls), in an order rotated by one
+    per round so that no function always runs first. Returns name -> its `rounds` per-round
+    seconds per call.
+    """
+    if rounds < 1 or not calls:
+        raise ValueError(f"need at least one round and one call, got {rounds} and {len(calls)}")
+    ready = {}
+    for name, (fn, args) in calls.items():
+        f = jax.jit(fn)
+        for _ in range(warmup):
+            jax.block_until_ready(f(*args))
+        ready[name] = (f, args)
+        if on_ready is not None:
+            on_ready(name)
+    names = list(ready)
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            per_round[name].append(_median_trial(*ready[name], inner, trials))
+    return per_round
+
+
+def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
+    """The median over rounds of `num`'s time over `den`'s in the same round
+    (`time_interleaved`'s output)."""
+    pairs = zip(by_round[num], by_round[den], strict=True)
+    return statistics.median(x / y for x, y in pairs)
+
+
+def nbytes(*trees) -> int:
+    """Total bytes of all array leaves."""
+    return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
+
+
+def worker_command(module: str, worker_flag: str, item, argv: Sequence[str]) -> list[str]:
+    """`python -m <module> --<worker_flag>=<item>` with `argv`'s flags, less `--gpus` and any
+    earlier worker flag."""
+    keep = [a for a in argv[1:] if not a.startswith(("--gpus", f"--{worker_flag}"))]
+    return [sys.executable, "-m", module, f"--{worker_flag}={item}", *keep]
+
+
+def run_workers(
+    module: str, worker_flag: str, items: Sequence, gpus: Sequence, argv: Sequence[str] = ()
+) -> list:
+    """Runs one worker per item, item k on GPU `gpus[k % len(gpus)]`, all at once; waits for
+    them and returns the items whose worker failed.
+
+    Workers allocate GPU memory on demand (unless the caller's environment says otherwise): with
+    JAX's default preallocation of 75% of the GPU a second worker on the same GPU, or a job
+    already running there, fails out of memory."""
+    if not gpus:
+        raise ValueError("run_workers needs at least one GPU")
+    argv = argv or sys.argv
+    procs = []
+    for k, item in enumerate(items):
+        env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+        env["CUDA_VISIBLE_DEVICES"] = str(gpus[k % len(gpus)])
+        procs.append(
+            (item, subprocess.Popen(worker_command(module, worker_flag, item, argv), env=env))
+        )
+    return [item for item, p in procs if p.wait() != 0]
