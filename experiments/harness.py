@@ -29,8 +29,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from absl import flags
+from ml_collections import config_flags
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def define_config_flag(default: str | None = None) -> None:
+    """Defines `--config`: an ml_collections config file, locked (overrides like
+    `--config.rl.steps=5` may only set fields the file defines). `default` names a file of
+    `configs/` (without `.py`) used when `--config` is not given; None makes the flag required.
+    """
+    path = None if default is None else os.path.join(CONFIGS_DIR, f"{default}.py")
+    config_flags.DEFINE_config_file("config", path, "ml_collections config file", lock_config=True)
+    if default is None:
+        flags.mark_flags_as_required(["config"])
 
 
 GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
