@@ -1,9 +1,9 @@
 r"""Table 7 analog: post-training FP4 quantization of the BF16-trained policy vs TRACE.
 
 The policies are trained as this config's own table (Table 1's `bf16` and `trace` recipes, 3
-seeds; checkpoints stay where they were trained, so train and evaluate in one session):
+seeds; checkpoints stay where they were trained, so train and evaluate on one machine):
 
-  python -m experiments.table_session --tables=configs/table7_ptq.py --root=$R
+  python -m experiments.run_tables --tables=configs/table7_ptq.py --root=$R
   P=$R/table7_policies
   python -m experiments.ptq_table --config=configs/table7_ptq.py --gpus=0,1 \
       --bf16_policy=$P/bf16/seed0,$P/bf16/seed1,$P/bf16/seed2 \
@@ -13,16 +13,18 @@ seeds; checkpoints stay where they were trained, so train and evaluate in one se
 import ml_collections
 
 from configs import small_gpu
+from trace_jax.tables.grid import table_section
+from trace_jax.tables.ptq_table import PTQTableConfig
+from trace_jax.tables.sections import section_config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
     c = small_gpu.get_config()
-    c.table = ml_collections.ConfigDict(
-        {
-            "name": "table7_policies",
-            "title": "Table 7 policies: BF16 and TRACE GRPO runs to quantize / compare",
-            "seeds": (0, 1, 2),
-            "runs": (("bf16", {"rl.method": "bf16"}), ("trace", {"rl.method": "trace"})),
-        }
+    c.table = table_section(
+        name="table7_policies",
+        title="Table 7 policies: BF16 and TRACE GRPO runs to quantize / compare",
+        seeds=(0, 1, 2),
+        runs=(("bf16", {"rl.method": "bf16"}), ("trace", {"rl.method": "trace"})),
     )
+    c.ptq = section_config_dict(PTQTableConfig)
     return c

@@ -4,10 +4,9 @@ The RL loop passes every mini-batch's guidance through the tensorstore store (ro
 trainer). This times that round trip for the guidance a method captures on a model preset, with
 random host data of the real shapes (site shapes: expert_in [B, T, D], expert_mid [B, T, K, F],
 k / v [B, T, Hkv, Dh]), on a local-directory store, with and without an fsync per file
-(`GuidanceStoreConfig.durable`). Medians over `--steps` steps after one warm-up step.
-
-  python -m experiments.bench_guidance_store                  # `small`, trace, 256 x 180 tokens
-  python -m experiments.bench_guidance_store --preset=tiny --rows=8 --tokens=20 --steps=2
+(`GuidanceStoreConfig.durable`). Medians over `steps` steps after one warm-up step. Sizes and
+launch commands: configs/bench_guidance_store.py. Writes `<outdir>/<name>.{md,json}` (default
+`guidance_store`).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import time
 
 import numpy as np
 from absl import app, flags
+from ml_collections import ConfigDict
 
 from experiments import harness
 from trace_jax.fp4 import Guidance, GuidanceMode
@@ -91,8 +91,12 @@ def measure(guidance, *, mini_batches: int, steps: int, durable: bool) -> dict:
     }
 
 
-def run(*, preset, method, fmt, rows, tokens, mini_batches, steps, outdir, name) -> list[dict]:
-    cfg = getattr(ModelConfig, preset)()
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Times the round trip with and without fsync, writes `<outdir>/<name>.{md,json}`; returns
+    the rows."""
+    cfg = harness.preset_model(config.model)
+    method, fmt, rows, tokens = config.method, config.format, config.rows, config.tokens
+    mini_batches, steps, preset = config.mini_batches, config.steps, config.model.preset
     guidance = random_guidance(cfg, method, fmt, rows // mini_batches, tokens)
     if not guidance:
         raise ValueError(f"method {method!r} captures no guidance")
@@ -120,19 +124,15 @@ def run(*, preset, method, fmt, rows, tokens, mini_batches, steps, outdir, name)
 
 def main(argv):
     del argv
-    f = flags.FLAGS
-    run(preset=f.preset, method=f.method, fmt=f.format, rows=f.rows, tokens=f.tokens,
-        mini_batches=f.mini_batches, steps=f.steps, outdir=f.outdir, name=f.name)  # fmt: skip
+    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+
+def define_flags() -> None:
+    harness.define_config_flag("bench_guidance_store")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "guidance_store", "result file stem")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_string("preset", "small", "model preset (ModelConfig classmethod)")
-    flags.DEFINE_string("method", "trace", "RL method whose guidance is stored")
-    flags.DEFINE_string("format", "nvfp4", "FP4 recipe")
-    flags.DEFINE_integer("rows", 256, "rollouts per step (prompts x group size)")
-    flags.DEFINE_integer("tokens", 180, "tokens per rollout (prompt + response)")
-    flags.DEFINE_integer("mini_batches", 2, "store entries per step")
-    flags.DEFINE_integer("steps", 5, "timed steps")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "guidance_store", "result file stem")
+    define_flags()
     app.run(main)

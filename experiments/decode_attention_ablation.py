@@ -1,12 +1,9 @@
 r"""Where the FP4 decode-attention kernel's time goes: the kernel cut down stage by stage.
 
-  python -m experiments.decode_attention_ablation [--contexts=32768,131072] [--quick]
-
-Nsight Compute does not run under JAX on the device machine (it segfaulted twice,
-`results/kernels_findings.md` item 10), so the split comes from timing cut-down kernels side by
-side instead. Every variant is the production kernel's launch (`kernel._flash_decode`: grid,
-BlockSpecs, masked loads, the default FP4 tiling) over the same packed NVFP4 cache, with a
-different body:
+Nsight Compute does not run under JAX on the device machine (it segfaulted), so the split comes
+from timing cut-down kernels side by side instead. Every variant is the production kernel's launch
+(`kernel.flash_decode`: grid, BlockSpecs, masked loads, the default FP4 tiling) over the same
+packed NVFP4 cache, with a different body:
 
   load    reads every K/V byte (codes, scale bits, global scales) and XORs / adds it into
           register accumulators (about 0.5 op per element), nothing else;
@@ -24,9 +21,10 @@ in the other order than the production launch's (`BlockConfig.pv_transposed`, ac
 the default from head_dim 128: the paper-like shape's other row is `p.v untransposed`).
 Differences between consecutive rows of the default order are what each part adds
 (approximately: the accumulation that keeps a stage's loads alive costs a little of its own).
-Beside them: the bf16 twin over the bf16 cache and the read ceiling of the same run. Paper-like
-shape: batch 16, 32 query heads, 4 KV heads, head_dim 128. Writes
-`<outdir>/decode_attention_ablation.{md,json}`.
+Beside them: the bf16 twin over the bf16 cache and the read ceiling of the same run. Shape and
+contexts: configs/decode_attention_ablation.py (the paper-like shape: batch 16, 32 query heads,
+4 KV heads, head_dim 128). Writes `<outdir>/<name>.{md,json}` (default
+`decode_attention_ablation`).
 """
 
 from __future__ import annotations
@@ -39,24 +37,39 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 from jax.experimental import pallas as pl
+from ml_collections import ConfigDict
 
 from experiments import harness
-from experiments.bench_kernels import _key, _kv, _packed, _time, ceilings
-from experiments.harness import nbytes
 from kernels_pallas.fp4_decode_attention import api
 from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 
 STAGES = ("load", "decode", "scores", "softmax", "full")
 # Stages timed again over a slot-major copy of the cache (`slot_major`). (Kv heads innermost in
-# the grid, a slot-major remedy, was timed here until 2026-12-01 and removed: loads 10-17% and
-# the kernel 1-3% slower in every run, kernels_findings item 23.)
+# the grid, another slot-major remedy, is not timed: its loads ran 10-17% and the kernel 1-3%
+# slower than over the head-major cache in every H200 run.)
 SLOT_MAJOR_STAGES = ("load", "full")
+COLUMNS = ["shape", "context", "variant", "ms", "added_ms", "bandwidth_fraction_of_read"]
+
+
+def api_plan(q, k_cache, v_cache, lengths) -> api.DecodePlan:
+    """The plan (tiling, interpret mode) of the production FP4 kernel's default launch."""
+    return api.fp4_decode_attention_plan(q, k_cache, v_cache, lengths, implementation="pallas")
+
+
+def api_fp4(q, k_cache, v_cache, lengths) -> jax.Array:
+    """The production FP4 kernel through its api (Pallas, default launch)."""
+    return api.fp4_decode_attention(q, k_cache, v_cache, lengths, implementation="pallas")
+
+
+def api_bf16_twin(q, k, v, lengths) -> jax.Array:
+    """The bf16 Pallas twin over the bf16 cache."""
+    return api.bf16_decode_attention(q, k, v, lengths, implementation="pallas")
 
 
 def slot_major(cache):
-    """A packed cache's head-major arrays [B, Hkv, S, ...] copied to [B, S, Hkv, ...] (the layout
-    before kernels_findings item 14; a real copy)."""
+    """A packed cache's head-major arrays [B, Hkv, S, ...] copied to [B, S, Hkv, ...] (a real
+    copy, in the layout the kernel read before the cache became head-major)."""
     return jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), cache)
 
 
@@ -135,7 +148,7 @@ def _load_parts(block_s, block_g, dp, n_planes, load_kv):
         return tuple(jnp.zeros((block_s, *r.shape[1:]), r.dtype) for r in kv_refs)
 
     def step(kv_refs, start, valid, qs, q_scale, accs):
-        rows = [K._load_rows(r, start, block_s, valid) for r in kv_refs]
+        rows = [K.load_rows(r, start, block_s, valid) for r in kv_refs]
         return tuple(
             a ^ x if jnp.issubdtype(x.dtype, jnp.integer) else a + x
             for a, x in zip(accs, rows, strict=True)
@@ -220,7 +233,7 @@ def run_stage(
     "full" is attention; the others return what keeps their work alive). `slot_major`: the
     caches come from `slot_major(...)`."""
     inputs = K.fp4_kernel_inputs(q.dtype, k_cache, v_cache, config, interpret)
-    return K._flash_decode(
+    return K.flash_decode(
         q,
         lengths=lengths,
         config=config,
@@ -231,20 +244,22 @@ def run_stage(
     )
 
 
-def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
-    b, h, hkv, dh = (2, 4, 2, 64) if quick else (16, 32, 4, 128)
-    ceil = ceilings(quick)
+def bench(config: ConfigDict) -> tuple[list[dict], dict]:
+    """Every variant at each context of `config.contexts` -> (rows, the run's ceilings)."""
+    b, h, hkv, dh = config.batch, config.heads, config.kv_heads, config.head_dim
+    smoke = config.smoke
+    ceil = harness.ceilings(config.ceiling_bytes, smoke=smoke)
     rows = []
-    for ctx in contexts:
-        k, v = _kv(b, ctx, hkv, dh, seed=ctx)
-        q = jax.random.normal(_key(5), (b, h, dh), jnp.bfloat16)
+    for ctx in config.contexts:
+        k, v = harness.random_kv(b, ctx, hkv, dh, seed=ctx)
+        q = jax.random.normal(jax.random.key(5), (b, h, dh), jnp.bfloat16)
         lengths = jnp.full((b,), ctx, jnp.int32)
-        kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
-        plan = api.fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas")
-        fp4_bytes = nbytes(kc, vc)
+        kc, vc = harness.packed_kv_cache(k, fp4.NVFP4), harness.packed_kv_cache(v, fp4.NVFP4)
+        plan = api_plan(q, kc, vc, lengths)
+        fp4_bytes = harness.nbytes(kc, vc)
         run = functools.partial(run_stage, config=plan.config, interpret=plan.interpret)
         # The "full" stage is the production kernel: the same numbers as the api.
-        want = api.fp4_decode_attention(q, kc, vc, lengths, backend="pallas")
+        want = api_fp4(q, kc, vc, lengths)
         got = run(q, kc, vc, lengths, stage="full")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         if err:
@@ -275,7 +290,8 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
                     err = float(jnp.max(jnp.abs(got - want.astype(jnp.float32))))
                     if err > tol * scale:
                         raise AssertionError(f"{name} differs from the api kernel by {err}")
-                t = _time(quick, lambda *a, s=stage, r=fn: r(*a, stage=s), q, kx, vx, lengths)
+                timed = functools.partial(fn, stage=stage)
+                t = harness.time_fn(timed, q, kx, vx, lengths, smoke=smoke)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 rows.append({**base, "variant": name, "error": repr(e)[:300]})
@@ -292,10 +308,8 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
             )
             prev = t if chained else None
             logging.info("%s", rows[-1])
-        t = _time(
-            quick, lambda *a: api.bf16_decode_attention(*a, backend="pallas"), q, k, v, lengths
-        )
-        bf16_bytes = nbytes(k, v)
+        t = harness.time_fn(api_bf16_twin, q, k, v, lengths, smoke=smoke)
+        bf16_bytes = harness.nbytes(k, v)
         rows.append(
             {
                 **base,
@@ -315,31 +329,39 @@ def bench(quick: bool, contexts: list[int]) -> tuple[list[dict], dict]:
     return rows, ceil
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    if not f.contexts or not all(c.isdigit() and int(c) > 0 for c in f.contexts):
-        raise app.UsageError(f"--contexts must be positive integers, got {f.contexts}")
-    rows, ceil = bench(f.quick, [int(c) for c in f.contexts])
-    cols = ["shape", "context", "variant", "ms", "added_ms", "bandwidth_fraction_of_read"]
-    cols += ["error"] if any("error" in r for r in rows) else []
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Times every variant and writes `<outdir>/<name>.{md,json}`; returns the rows."""
+    rows, ceil = bench(config)
+    cols = COLUMNS + (["error"] if any("error" in r for r in rows) else [])
+    table = harness.markdown_table(rows, cols, fmt=".4g")
     harness.write_results(
-        f.name,
+        name,
         rows,
         title="FP4 decode attention, cut down stage by stage",
-        table=harness.markdown_table(rows, cols, fmt=".4g"),
+        table=table,
         notes=(
             "Each fp4 row is the production launch with the kernel body cut after that stage "
             "(module docstring of `experiments/decode_attention_ablation.py`); `added_ms`: over "
             f"the row above. Read ceiling {ceil['read_bw'] / 1e9:.0f} GB/s, measured in this run."
+            + (harness.SMOKE_NOTE if config.smoke else "")
         ),
-        outdir=f.outdir,
+        outdir=outdir,
     )
+    print(table)
+    return rows
+
+
+def main(argv):
+    del argv
+    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+
+def define_flags() -> None:
+    harness.define_config_flag("decode_attention_ablation")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "decode_attention_ablation", "result file stem")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
-    flags.DEFINE_list("contexts", ["32768", "131072"], "context lengths")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "decode_attention_ablation", "result file stem")
+    define_flags()
     app.run(main)

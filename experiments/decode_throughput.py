@@ -13,11 +13,9 @@ times whole rollouts, side by side in one process:
   * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full).
 
 Each variant is compiled ahead of time (`jit(...).lower(...).compile()`); the reported time is the
-median of `--repeats` rollouts after one warm-up. Writes `<outdir>/<name>.{md,json,png}`.
-
-  python -m experiments.decode_throughput                       # H200: `small`, batch 16
-  python -m experiments.decode_throughput --quick               # CPU smoke run (tiny sizes)
-  python -m experiments.decode_throughput --plot_from=<name>.json   # redraw the PNG
+median of `repeats` rollouts after one warm-up. Sizes and launch commands:
+configs/decode_throughput.py. Writes `<outdir>/<name>.{md,json,png}` (default
+`decode_throughput`); `--plot_from=<name>.json` only redraws the PNG of a written result.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import jax.numpy as jnp
 import matplotlib
 from absl import app, flags, logging
 from flax import nnx
+from ml_collections import ConfigDict
 
 from experiments import harness
 from trace_jax.fp4 import GuidanceMode
@@ -44,7 +43,7 @@ from trace_jax.rollout import SamplingConfig, generate
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-# label -> (FP4 rollout?, kernel backend, capture: None | "method" (trace's sites) | "all")
+# label -> (FP4 rollout?, kernel implementation, capture: None | "method" (trace's sites) | "all")
 VARIANTS = {
     "bf16": (False, "xla", None),
     "fp4 xla": (True, "xla", None),
@@ -56,7 +55,7 @@ VARIANTS = {
 
 def rollout_fn(cfg: ModelConfig, graphdef, variant: str, length: int, fmt: str = "nvfp4"):
     """`(params, prompts, prompt_lengths, key) -> Rollout` for one variant, not yet jitted."""
-    fp4_on, backend, capture = VARIANTS[variant]
+    fp4_on, implementation, capture = VARIANTS[variant]
     setup = get_method("trace").setup(fmt, cfg.n_layers)
     qcfg = setup.rollout_qcfg
     keys, cmode = (), GuidanceMode.COMPACT
@@ -73,11 +72,19 @@ def rollout_fn(cfg: ModelConfig, graphdef, variant: str, length: int, fmt: str =
         mode=SiteMode.RTN if fp4_on else SiteMode.OFF,
         capture=keys,
         capture_mode=cmode,
-        kernel_backend=backend,
+        implementation=implementation,
     )
 
 
-def measure(cfg: ModelConfig, batch: int, prompt_len: int, lengths, variants, repeats: int):
+def measure(
+    cfg: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    lengths,
+    variants,
+    repeats: int,
+    fmt: str = "nvfp4",
+) -> list[dict]:
     """One row per (length, variant): seconds per rollout, tokens/s, speedup vs bf16."""
     graphdef, params = nnx.split(init_model(cfg, seed=0))
     prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 3, cfg.vocab_size)
@@ -86,7 +93,7 @@ def measure(cfg: ModelConfig, batch: int, prompt_len: int, lengths, variants, re
     for length in lengths:
         base = None
         for variant in variants:
-            fn = jax.jit(rollout_fn(cfg, graphdef, variant, length))
+            fn = jax.jit(rollout_fn(cfg, graphdef, variant, length, fmt))
             t0 = time.perf_counter()
             compiled = fn.lower(params, prompts, plens, jax.random.key(2)).compile()
             compile_s = time.perf_counter() - t0
@@ -164,25 +171,31 @@ def plot_from(path: str) -> str:
     return out
 
 
-def run(
-    *, quick: bool, lengths, variants, outdir: str, name: str, batch: int, repeats: int
-) -> list[dict]:
-    # quick: a CPU smoke run, two decoder blocks to keep its compiles short
-    cfg = ModelConfig.tiny(head_dim=32, n_layers=2) if quick else ModelConfig.small()
-    unknown = set(variants) - set(VARIANTS)
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Times every (length, variant) and writes `<outdir>/<name>.{md,json,png}`; returns the
+    rows."""
+    cfg = harness.preset_model(config.model)
+    unknown = set(config.variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    rows = measure(cfg, batch, prompt_len=16 if quick else 64, lengths=lengths,
-                   variants=variants, repeats=repeats)  # fmt: skip
+    rows = measure(
+        cfg,
+        config.batch,
+        config.prompt_len,
+        config.lengths,
+        config.variants,
+        config.repeats,
+        config.format,
+    )
     cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
     table = harness.markdown_table(rows, [*cols, "compile_s"], fmt=".4g")
     notes = (
-        f"Model `{'tiny' if quick else 'small'}` (random init), batch {batch}, prompt "
-        f"{16 if quick else 64} tokens, NVFP4 W/A/KV for the FP4 variants, temperature 1, no stop "
-        f"token (every sequence decodes the full length). Median of {repeats} rollouts after a "
-        "warm-up; compile time excluded. `+ compact`: TRACE's compact guidance at the deeper "
-        "half's sites; `+ full`: full codes at every FP4 site."
-        + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if quick else "")
+        f"Model `{config.model.preset}` (random init), batch {config.batch}, prompt "
+        f"{config.prompt_len} tokens, {config.format} W/A/KV for the FP4 variants, temperature 1, "
+        "no stop token (every sequence decodes the full length). Median of "
+        f"{config.repeats} rollouts after a warm-up; compile time excluded. `+ compact`: TRACE's "
+        "compact guidance at the deeper half's sites; `+ full`: full codes at every FP4 site."
+        + (" SMOKE RUN: tiny sizes; the numbers mean nothing." if config.smoke else "")
         + f"\n\n![tokens/s vs output length]({name}.png)"
     )
     harness.write_results(
@@ -204,24 +217,16 @@ def main(argv):
     if f.plot_from:
         print(f"wrote {plot_from(f.plot_from)}")
         return
-    run(
-        quick=f.quick,
-        lengths=[int(x) for x in f.lengths],
-        variants=f.variants,
-        outdir=f.outdir,
-        name=f.name,
-        batch=f.batch,
-        repeats=f.repeats,
-    )
+    run(f.config, outdir=f.outdir, name=f.name)
 
 
-if __name__ == "__main__":
-    flags.DEFINE_bool("quick", False, "tiny model (CPU smoke run; numbers meaningless)")
-    flags.DEFINE_list("lengths", ["1024", "4096", "16384"], "output lengths (new tokens)")
-    flags.DEFINE_list("variants", list(VARIANTS), "which rollouts to time")
-    flags.DEFINE_integer("batch", 16, "sequences per rollout")
-    flags.DEFINE_integer("repeats", 2, "timed rollouts per variant (after one warm-up)")
+def define_flags() -> None:
+    harness.define_config_flag("decode_throughput")
     flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
     flags.DEFINE_string("name", "decode_throughput", "result file stem")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
+
+
+if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -12,6 +12,11 @@ as the dispatch cost: report such numbers as upper bounds. `time_interleaved` ti
 functions in alternating rounds, so that a drift of the device (clocks, temperature, a
 neighbour's load) falls on all of them alike and ratios can be taken round by round.
 
+Kernel benchmarks: `ceilings` measures the device's read and copy bandwidth (what a kernel's
+bytes per second are compared against); `random_kv` and `packed_kv_cache` build the K/V inputs of
+the decode-attention benchmarks; `preset_model` turns a config's `model` section into a
+`ModelConfig`.
+
 Workers: `run_workers` runs one subprocess per item of a script's work, each pinned to a GPU.
 """
 
@@ -29,8 +34,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
+
+from trace_jax import fp4
+from trace_jax.fp4 import PackedTensorCache
+from trace_jax.models import ModelConfig
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -53,8 +64,7 @@ GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu"
 def gpu_state() -> dict[str, str] | None:
     """The first GPU's SM / memory clocks, temperature and power as `nvidia-smi` reports them
     now, or None without one. Written beside timings because a hot GPU's lower SM clock slows
-    instruction-bound kernels while bandwidth-bound ones keep their speed (kernels_findings
-    item 13)."""
+    instruction-bound kernels while bandwidth-bound ones keep their speed."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--id=0", f"--query-gpu={','.join(GPU_STATE_QUERY)}",
@@ -155,8 +165,13 @@ def _median_trial(f: Callable, args: tuple, inner: int, trials: int) -> float:
     return statistics.median(times)
 
 
-def time_fn(fn: Callable, *args, inner: int = 20, trials: int = 7, warmup: int = 3) -> float:
-    """Median seconds per call of the jitted `fn(*args)`."""
+def time_fn(
+    fn: Callable, *args, inner: int = 20, trials: int = 7, warmup: int = 3, smoke: bool = False
+) -> float:
+    """Median seconds per call of the jitted `fn(*args)`. `smoke`: one warm-up and one timed
+    call (a CPU smoke run of a benchmark, whose numbers mean nothing)."""
+    if smoke:
+        inner, trials, warmup = 1, 1, 1
     f = jax.jit(fn)
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
@@ -209,6 +224,56 @@ def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
 def nbytes(*trees) -> int:
     """Total bytes of all array leaves."""
     return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
+
+
+# Appended to the notes of a smoke run's results.
+SMOKE_NOTE = " SMOKE RUN: tiny sizes, one timed call each; the numbers mean nothing."
+
+
+def ceilings(n_bytes: int = 1 << 30, *, smoke: bool = False) -> dict[str, float]:
+    """The device's bandwidth ceilings in bytes per second, measured on `n_bytes` of random data.
+
+    `read_bw`: the faster of two reductions over the same uint8 bytes (summed as bytes, and as
+    uint32 words: the byte sum alone was beaten by the bf16 decode-attention kernel on the H200,
+    so it is no ceiling); `copy_bw`: bytes read plus written by an elementwise add over bf16.
+    """
+    u8 = jax.random.randint(jax.random.key(0), (n_bytes,), 0, 255, jnp.int32).astype(jnp.uint8)
+    words = u8.reshape(-1, 4)
+    t_read = min(
+        time_fn(lambda a: jnp.sum(a, dtype=jnp.int32), u8, smoke=smoke),
+        time_fn(lambda a: jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint32)), words, smoke=smoke),
+    )
+    x = jax.random.normal(jax.random.key(1), (n_bytes // 2,), jnp.bfloat16)
+    t_copy = time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
+    return {"read_bw": n_bytes / t_read, "copy_bw": 2 * nbytes(x) / t_copy}
+
+
+def random_kv(
+    batch: int, length: int, kv_heads: int, head_dim: int, seed: int
+) -> tuple[jax.Array, jax.Array]:
+    """Standard-normal K and V, bf16 [batch, length, kv_heads, head_dim] each (keys `seed` and
+    `seed + 1`)."""
+    shape = (batch, length, kv_heads, head_dim)
+    k = jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(seed + 1), shape, jnp.bfloat16)
+    return k, v
+
+
+def packed_kv_cache(x: jax.Array, fmt: fp4.BlockFormat) -> PackedTensorCache:
+    """The packed FP4 cache of `x [B, S, Hkv, Dh]` with all S slots written: RTN codes, one
+    global scale per row for NVFP4, as the rollout's cache holds them."""
+    b, s = x.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    return PackedTensorCache.empty(x.shape, fmt).write(fp4.quantize(x, fmt), slots)
+
+
+def preset_model(model: ml_collections.ConfigDict) -> ModelConfig:
+    """`ModelConfig.<model.preset>` with the section's other fields that are set (not None) as
+    overrides, e.g. {"preset": "tiny", "n_layers": 2, "head_dim": None}."""
+    if model.preset not in ("tiny", "small"):  # the others are shape-only stand-ins
+        raise ValueError(f"model.preset must be 'tiny' or 'small', got {model.preset!r}")
+    overrides = {k: v for k, v in model.items() if k != "preset" and v is not None}
+    return getattr(ModelConfig, model.preset)(**overrides)
 
 
 def worker_command(module: str, worker_flag: str, item, argv: Sequence[str]) -> list[str]:

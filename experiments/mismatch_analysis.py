@@ -4,10 +4,9 @@ Draws activation-like tensors `x_train` (per-channel log-normal scales and a few
 as in LLM hidden states) and `x_rollout = x_train * (1 + eps * noise)`, quantizes both, and reports
 per eps and format how often their codes differ under round-to-nearest (each side its own scales)
 and under guided rounding (full and compact guidance captured from the rollout), how many RTN
-mismatches are one adjacent code apart, the dequantized gap, and the guidance size.
-
-  python -m experiments.mismatch_analysis
-  python -m experiments.mismatch_analysis --formats=nvfp4 --eps=1e-3,1e-2 --rows=4096
+mismatches are one adjacent code apart, the dequantized gap, and the guidance size. Sweep:
+configs/mismatch_analysis.py. Writes `<outdir>/<name>.{md,json,png}` (default
+`mismatch_analysis`).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 from absl import app, flags, logging
+from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from experiments import harness
@@ -104,38 +104,21 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def define_flags() -> None:
-    """Command-line flags (defined only when run as a script)."""
-    flags.DEFINE_list("eps", ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1"], "eps")
-    flags.DEFINE_list("formats", ["nvfp4", "mxfp4", "mxfp8"], "formats to sweep")
-    flags.DEFINE_integer("rows", 2048, "tokens per tensor")
-    flags.DEFINE_integer("cols", 1024, "channels per token (multiple of 32)")
-    flags.DEFINE_integer("seed", 0, "PRNG seed")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-
-
 def run(
-    *,
-    eps: list[str],
-    formats: list[str],
-    rows: int,
-    cols: int,
-    seed: int,
-    outdir: str = harness.RESULTS_DIR,
+    config: ConfigDict, *, outdir: str = harness.RESULTS_DIR, name: str = "mismatch_analysis"
 ) -> list[dict]:
-    """Runs the sweep and writes the results; returns the rows."""
-    eps_values = [float(e) for e in eps]
-    formats = [fp4.get_format(f) for f in formats]
-    if cols % 32:
-        raise app.UsageError(f"--cols must be a multiple of 32, got {cols}")
-    key = jax.random.key(seed)
-    k_x, k_n = jax.random.split(key)
-    x_train = activation_like(k_x, rows, cols)
+    """Runs the sweep and writes `<outdir>/<name>.{md,json,png}`; returns the rows."""
+    n_rows, n_cols = config.rows, config.cols
+    formats = [fp4.get_format(f) for f in config.formats]
+    if n_cols % 32:
+        raise ValueError(f"config.cols must be a multiple of 32, got {n_cols}")
+    k_x, k_n = jax.random.split(jax.random.key(config.seed))
+    x_train = activation_like(k_x, n_rows, n_cols)
     noise = jax.random.normal(k_n, x_train.shape)
 
     rows = []
     for fmt in formats:
-        for eps in tqdm(eps_values, desc=fmt.name):
+        for eps in tqdm([float(e) for e in config.eps], desc=fmt.name):
             x_rollout = x_train * (1 + eps * noise)
             stats = {k: float(v) for k, v in compare(x_train, x_rollout, fmt).items()}
             rows.append(
@@ -166,7 +149,7 @@ def run(
     ]
     table = harness.markdown_table(rows, cols)
     notes = (
-        f"{rows} x {cols} activation-like float32 tensor (normal values, log-normal "
+        f"{n_rows} x {n_cols} activation-like float32 tensor (normal values, log-normal "
         "channel scales, 1% outlier channels x20); `x_rollout = x_train * (1 + eps * N(0, 1))`. "
         "RTN: each side rounds to nearest with its own scales. Guided: the trainer uses the "
         "rollout's scales and its full codes or compact mantissa bits. `one_apart_fraction`: of "
@@ -179,23 +162,28 @@ def run(
         "scale flips. In the plot, zero mismatch is drawn at 1e-9."
     )
     paths = harness.write_results(
-        "mismatch_analysis",
+        name,
         rows,
         title="Mismatch analysis: FP4 codes, train vs rollout",
         table=table,
-        notes=notes + "\n\n![mismatch](mismatch_analysis.png)",
+        notes=notes + f"\n\n![mismatch]({name}.png)",
         outdir=outdir,
     )
-    plot(rows, os.path.join(outdir, "mismatch_analysis.png"))
+    plot(rows, os.path.join(outdir, f"{name}.png"))
     print(table)
-    print(f"\nwrote {paths['md']}, {paths['json']} and mismatch_analysis.png")
+    print(f"\nwrote {paths['md']}, {paths['json']} and {name}.png")
     return rows
 
 
 def main(argv):
     del argv
-    f = flags.FLAGS
-    run(eps=f.eps, formats=f.formats, rows=f.rows, cols=f.cols, seed=f.seed, outdir=f.outdir)
+    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+
+def define_flags() -> None:
+    harness.define_config_flag("mismatch_analysis")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "mismatch_analysis", "result file stem")
 
 
 if __name__ == "__main__":

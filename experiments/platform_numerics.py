@@ -2,10 +2,9 @@
 
 The one float32 operation in `trace_jax.fp4` that is not exact by construction is the reciprocal
 of the NVFP4 scales (`scales.reciprocal`). On NVIDIA GPUs both XLA and Pallas' Triton lowering
-divide with the approximate `div.full.f32` (kernels_findings item 24), so the reciprocal is now
-`numerics.reciprocal_rn`: a hardware estimate with its last bit settled by integer arithmetic,
-correctly rounded everywhere. This script measures, on the default device against the host CPU of
-the same run:
+divide with the approximate `div.full.f32`, so the reciprocal is `numerics.reciprocal_rn`: a
+hardware estimate with its last bit settled by integer arithmetic, correctly rounded everywhere.
+This script measures, on the default device against the host CPU of the same run:
 
   reciprocal   float32 1 / d for random d over 2**-60 .. 2**60: XLA and a Pallas kernel on the
                device against numpy's IEEE quotient, and against each other;
@@ -17,8 +16,9 @@ the same run:
                what the GPU's `div.full.f32` can change (`scales.reciprocal` patched for the
                call).
 
-On a CPU-only machine the first two compare the CPU with itself (a smoke run: every count must be
-zero). Writes `<outdir>/<name>.{md,json}`.
+On a CPU-only machine the first two compare the CPU with itself (every count must be zero).
+Sizes and sections: configs/platform_numerics.py. Writes `<outdir>/<name>.{md,json}` (default
+`platform_numerics`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from jax.experimental import pallas as pl
+from ml_collections import ConfigDict
 
 from experiments import harness
 from kernels_pallas import common
@@ -188,14 +189,16 @@ def sensitivity_rows(shape: tuple[int, int]) -> list[dict]:
 SECTIONS = ("reciprocal", "quantize", "sensitivity")
 
 
-def run(*, quick: bool, outdir: str, name: str, sections: tuple[str, ...] = SECTIONS) -> list[dict]:
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Runs `config.sections` and writes `<outdir>/<name>.{md,json}`; returns the rows."""
+    sections = tuple(config.sections)
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    n, shape = (1 << 14, (64, 256)) if quick else (1 << 22, (8192, 4096))
+    shape = tuple(config.shape)
     rows = []
     if "reciprocal" in sections:
-        rows.append(reciprocal_row(n))
+        rows.append(reciprocal_row(config.reciprocal_elements))
         logging.info("%s", rows[-1])
     if "quantize" in sections:
         rows += quantize_rows(shape)
@@ -206,33 +209,37 @@ def run(*, quick: bool, outdir: str, name: str, sections: tuple[str, ...] = SECT
     cols += ["pallas_vs_xla", "codes_differ", "scales_differ", "global_scales_differ"]
     cols += ["max_abs_dequantized_diff"]
     cols = [c for c in cols if any(c in r for r in rows)]  # the sections run
+    table = harness.markdown_table(rows, cols, fmt=".4g")
     harness.write_results(
         name,
         rows,
         title="The quantizer's bits on the device against the CPU",
-        table=harness.markdown_table(rows, cols, fmt=".4g"),
+        table=table,
         notes=(
             f"Device {getattr(device, 'device_kind', device.platform)} against the host CPU of "
             "the same run (module docstring of `experiments/platform_numerics.py`). reciprocal: "
             "counts of float32 1 / d differing from numpy's IEEE quotient, and XLA's from the "
             "Pallas kernel's; quantize: counts of differing codes, scale bits and global scales; "
             "sensitivity (CPU only): NVFP4 codes and block scales that change when every "
-            "reciprocal is moved one ulp." + (" QUICK MODE: small sizes." if quick else "")
+            "reciprocal is moved one ulp." + (" SMOKE RUN: small sizes." if config.smoke else "")
         ),
         outdir=outdir,
     )
+    print(table)
     return rows
 
 
 def main(argv):
     del argv
-    f = flags.FLAGS
-    run(quick=f.quick, outdir=f.outdir, name=f.name, sections=tuple(f.sections))
+    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+
+def define_flags() -> None:
+    harness.define_config_flag("platform_numerics")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "platform_numerics", "result file stem")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_bool("quick", False, "small sizes (a smoke run)")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "platform_numerics", "result file stem")
-    flags.DEFINE_list("sections", list(SECTIONS), "checks to run")
+    define_flags()
     app.run(main)

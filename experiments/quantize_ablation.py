@@ -1,14 +1,11 @@
 r"""Where the fused quantize + capture kernel's time goes: the kernel cut down stage by stage.
 
-  python -m experiments.quantize_ablation [--quick]
-
-The kernel reaches 45% (MXFP4) and 31% (NVFP4) of copy bandwidth at 65536 x 4096 bf16
-(`results/kernels_findings.md` items 10 and 12); Nsight Compute does not run under JAX on the
-device machine, so, as for decode attention, the split comes from timing the production launch
-(`kernels_pallas.fp4_quantize.kernel.quantize_capture_pallas` with the API's column tiles,
-4 rows x 1024 columns) with its body cut after each stage. Every stage reads the whole tile and
-writes every output byte the kernel writes (codes, scale bits, compact bits), so the bytes moved
-are the same in every row:
+Nsight Compute does not run under JAX on the device machine, so, as for decode attention, the
+split comes from timing the production launch (`kernels_pallas.fp4_quantize.kernel
+.quantize_capture_pallas` with the api's column tiles, 4 rows x 1024 columns, unless the config
+says otherwise) with its body cut after each stage. Every stage reads the whole tile and writes
+every output byte the kernel writes (codes, scale bits, compact bits), so the bytes moved are the
+same in every row:
 
   io      the tile read and its row sums broadcast into the outputs: the memory floor;
   scales  + each block's max |x| and scale bits (`scales.block_scale_bits`, written for real) and
@@ -19,13 +16,14 @@ are the same in every row:
           joined by halving);
 
 and `full` again with the other packing (`pack="sum"`: shifted fields summed over a trailing
-axis, the default before kernels_findings item 17).
+axis, a reduction Triton may lower with layout conversions; 2-5% slower than the halving pairs
+on the H200).
 
-NVFP4's global scale is computed beforehand (by XLA, as the API does for column tiles) and passed
-in, outside the timed call. Beside the stages, the API's own default launch of each format (for
+NVFP4's global scale is computed beforehand (by XLA, as the api does for column tiles) and passed
+in, outside the timed call. Beside the stages, the api's own default launch of each format (for
 wide NVFP4 rows a row loop with the global scale inside the kernel, `api.default_launch`). And a
-device copy of the input (the copy bandwidth the kernels are measured against). Writes
-`<outdir>/quantize_ablation.{md,json}`.
+device copy of the input (the copy bandwidth the kernels are measured against). Sizes:
+configs/quantize_ablation.py. Writes `<outdir>/<name>.{md,json}` (default `quantize_ablation`).
 """
 
 from __future__ import annotations
@@ -36,10 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from ml_collections import ConfigDict
 
 from experiments import harness
-from experiments.bench_kernels import _key, _time
-from experiments.harness import nbytes
 from kernels_pallas import common
 from kernels_pallas.fp4_quantize import api
 from kernels_pallas.fp4_quantize import kernel as K
@@ -50,6 +47,12 @@ from trace_jax.fp4.quantize import quantize_core
 STAGES = ("io", "scales", "round", "full")
 # The packing the `full` row is timed with again, beside the production one.
 ALT_PACK = next(p for p in K.PACKINGS if p != K.DEFAULT_PACK)
+COLUMNS = ["format", "variant", "ms", "added_ms", "fraction_of_copy"]
+
+
+def api_quantize(x: jax.Array, fmt: fp4.BlockFormat, implementation: str):
+    """The quantize op through its api ("xla": the reference; "pallas": the default launch)."""
+    return api.fp4_quantize(x, fmt, implementation=implementation)
 
 
 def _fill(ref, per_row: jax.Array) -> None:
@@ -58,11 +61,11 @@ def _fill(ref, per_row: jax.Array) -> None:
 
 
 def _stage_body(stage: str):
-    """A kernel body with `K._kernel`'s refs and keyword arguments doing `stage`'s work (RTN, no
-    guidance, the whole tile at once)."""
+    """A kernel body with the production body's refs and keyword arguments doing `stage`'s work
+    (RTN, no guidance, the whole tile at once)."""
 
     def body(*refs, fmt, guide_mode, s_g_given, loop_n, inline_asm):
-        # The reciprocal's estimate as in `K._kernel` (`reciprocal_rn`'s platform-dependent
+        # The reciprocal's estimate as in the production body (`reciprocal_rn`'s platform-dependent
         # default does not lower to Triton).
         est = common.rcp_approx if inline_asm else None
         if guide_mode is not None or loop_n is not None:
@@ -74,7 +77,7 @@ def _stage_body(stage: str):
         x = x_ref[...].astype(jnp.float32)
         rows, n = x.shape
         s_g = sg_ref[...] if s_g_given else None
-        if fmt.has_global_scale and s_g is None:  # whole rows: the row's own, as `_kernel` does
+        if fmt.has_global_scale and s_g is None:  # whole rows: the row's own, as production does
             s_g = scales.global_scale_from_amax(jnp.max(jnp.abs(x), axis=1, keepdims=True), fmt)
         if stage == "io":
             keep = jnp.sum(x, axis=1, keepdims=True)
@@ -143,17 +146,19 @@ def _launch_name(fmt: fp4.BlockFormat, n: int) -> str:
     return "whole rows"
 
 
-def bench(quick: bool) -> list[dict]:
-    rows_n, n = (64, 256) if quick else (65536, 4096)
-    block_r, block_n = (2, 128) if quick else (api.COLUMN_TILE_ROWS, api.COLUMN_TILE)
+def bench(config: ConfigDict) -> list[dict]:
+    """The copy, then per format every stage, the other packing and the api's default launch."""
+    rows_n, n, smoke = config.rows, config.cols, config.smoke
+    block_r = config.block_rows or api.COLUMN_TILE_ROWS
+    block_n = config.block_cols or api.COLUMN_TILE
     interpret = jax.default_backend() != "gpu"
-    x = jax.random.normal(_key(2), (rows_n, n), jnp.bfloat16)
-    t_copy = _time(quick, lambda a: a + jnp.asarray(1, a.dtype), x)
-    copy_bw = 2 * nbytes(x) / t_copy
+    x = jax.random.normal(jax.random.key(2), (rows_n, n), jnp.bfloat16)
+    t_copy = harness.time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
+    copy_bw = 2 * harness.nbytes(x) / t_copy
     out = [{"format": "n/a", "variant": "copy of x", "ms": 1e3 * t_copy, "fraction_of_copy": 1.0}]
     for fmt in (fp4.MXFP4, fp4.NVFP4):
-        want = api.fp4_quantize(x, fmt, backend="xla")
-        moved = nbytes(x) + nbytes(want)  # as `bench_kernels` counts them
+        want = api_quantize(x, fmt, "xla")
+        moved = harness.nbytes(x) + harness.nbytes(want)  # as `bench_quantize` counts them
         s_g = None
         if fmt.has_global_scale:
             s_g = scales.global_scale(x.astype(jnp.float32), fmt, (1,))
@@ -171,9 +176,8 @@ def bench(quick: bool) -> list[dict]:
                     for got, ref in ((packed, want.packed_codes), (cbits, want.compact_bits),
                                      (bits, scales.to_bits(want.scales))):  # fmt: skip
                         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-                t = _time(
-                    quick, lambda a, g, s=stage, p=pack, r=run: r(a, g, stage=s, pack=p), x, s_g
-                )
+                timed = functools.partial(run, stage=stage, pack=pack)
+                t = harness.time_fn(timed, x, s_g, smoke=smoke)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 out.append({"format": fmt.name, "variant": name, "error": repr(e)[:300]})
@@ -190,7 +194,7 @@ def bench(quick: bool) -> list[dict]:
             )
             prev = t if pack == K.DEFAULT_PACK else None
             logging.info("%s", out[-1])
-        t = _time(quick, lambda a, f=fmt: api.fp4_quantize(a, f, backend="pallas"), x)
+        t = harness.time_fn(lambda a, f=fmt: api_quantize(a, f, "pallas"), x, smoke=smoke)
         out.append(
             {
                 "format": fmt.name,
@@ -202,32 +206,41 @@ def bench(quick: bool) -> list[dict]:
     return out
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    rows = bench(f.quick)
-    cols = ["format", "variant", "ms", "added_ms", "fraction_of_copy"]
-    cols += ["error"] if any("error" in r for r in rows) else []
-    shape = "64 x 256" if f.quick else "65536 x 4096"
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Times every variant and writes `<outdir>/<name>.{md,json}`; returns the rows."""
+    rows = bench(config)
+    cols = COLUMNS + (["error"] if any("error" in r for r in rows) else [])
+    table = harness.markdown_table(rows, cols, fmt=".4g")
     harness.write_results(
-        f.name,
+        name,
         rows,
         title="FP4 quantize + capture, cut down stage by stage",
-        table=harness.markdown_table(rows, cols, fmt=".4g"),
+        table=table,
         notes=(
-            f"Input {shape} bf16, RTN, the API's column tiles. Each stage row is the "
-            "production launch with the kernel body cut after that stage (module docstring of "
-            "`experiments/quantize_ablation.py`); `added_ms`: over the row above; "
-            "`fraction_of_copy`: the bytes the kernel moves over the time, against the copy's "
-            "bandwidth in the same run."
-            + (" QUICK MODE: CPU interpret sizes, the numbers mean nothing." if f.quick else "")
+            f"Input {config.rows} x {config.cols} bf16, RTN, the api's column tiles unless the "
+            "config sets the tile. Each stage row is the production launch with the kernel body "
+            "cut after that stage (module docstring of `experiments/quantize_ablation.py`); "
+            "`added_ms`: over the row above; `fraction_of_copy`: the bytes the kernel moves over "
+            "the time, against the copy's bandwidth in the same run."
+            + (harness.SMOKE_NOTE if config.smoke else "")
         ),
-        outdir=f.outdir,
+        outdir=outdir,
     )
+    print(table)
+    return rows
+
+
+def main(argv):
+    del argv
+    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+
+def define_flags() -> None:
+    harness.define_config_flag("quantize_ablation")
+    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", "quantize_ablation", "result file stem")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_bool("quick", False, "tiny shapes, interpret mode off the GPU (a smoke run)")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "quantize_ablation", "result file stem")
+    define_flags()
     app.run(main)

@@ -1,110 +1,213 @@
-r"""The whole loop at CPU scale: SFT warm start, a short RL run, evaluation, a table and a plot.
+r"""The main job: one SFT start trained by RL with vanilla FP4 QAT and with TRACE, side by side.
 
-  python -m experiments.quickstart --config=configs/tiny_cpu.py --workdir=workdir/quickstart
+  python -m experiments.quickstart --workdir=workdir/quickstart    # configs/quickstart.py
+  python -m experiments.quickstart --config.rl.steps=10 --config.rl.eval_every=10 --verbose
 
-Runs `experiments.sft` into `<workdir>/sft`, then `experiments.main` (the config's RL method,
-TRACE by default, with FP4 rollouts) from that checkpoint into `<workdir>/rl`, evaluating pass@1
-after SFT (bf16 and NVFP4 execution) and after RL (the method's rollout execution). Writes
-`<workdir>/quickstart.{md,json,png}` and prints the table. Rerunning resumes the RL run from its
-last checkpoint (the SFT stage is skipped when its checkpoint exists).
+Trains the `tiny` MoE on worked solutions once (`trace_jax.rl.sft_or_reuse` into
+`<workdir>/sft`), then runs GRPO with NVFP4 rollouts from that checkpoint once per method of
+`quickstart.methods` (`trace_jax.rl.RLLoop` into `<workdir>/rl_<method>`): `fp4_qat` fake-quantizes
+in the trainer by round-to-nearest, which misses some of the rollout's real FP4 rounding
+decisions; `trace` replays the rollout's decisions from its compact guidance. Writes
+`<workdir>/quickstart.{md,json,png}` and prints the table: per method the smoothed reward of
+the first and last steps, the train-rollout log-prob gap, the code mismatch, and pass@1 after
+SFT and after RL. Rerunning reuses the finished stages (an interrupted RL run resumes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Sequence
 
 import matplotlib
+import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
-from experiments import harness, sft
-from experiments import main as rl_main
+from experiments import harness
+from trace_jax.quant import SiteMode
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.logs import quiet_third_party
+from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
+from trace_jax.rl.sft import SFT_CHECKPOINT, sft_or_reuse
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-
-def _final_rl_eval(workdir: str) -> dict:
-    path = os.path.join(workdir, "rl_eval.jsonl")
-    if not os.path.exists(path):
-        raise RuntimeError(f"the RL run wrote no evaluation ({path}); set rl.eval_every")
-    return read_rows(path)[-1]
+GAP, MISMATCH = "train_rollout_gap_mean", "code_mismatch"
 
 
-def run(cfg, workdir: str) -> list[dict]:
-    """Runs SFT, RL and both evaluations; returns one row per split."""
-    if cfg.rl.steps % cfg.rl.eval_every:
+def method_summary(rows: Sequence[dict], smooth_steps: int) -> dict[str, float]:
+    """What the table reports of one RL run's metric rows (`rl_metrics.jsonl`, in step order).
+
+    Returns "reward_first" and "reward_last" (the mean reward of the first and of the last
+    `smooth_steps` rows), "gap" (the mean over rows of `train_rollout_gap_mean`) and, when some
+    row measured it, "code_mismatch" (its mean over those rows).
+    """
+    if not 1 <= smooth_steps <= len(rows):
+        raise ValueError(f"smooth_steps={smooth_steps} must be in [1, {len(rows)} rows]")
+    reward = [r["reward"] for r in rows]
+    out = {
+        "reward_first": float(np.mean(reward[:smooth_steps])),
+        "reward_last": float(np.mean(reward[-smooth_steps:])),
+        "gap": float(np.mean([r[GAP] for r in rows])),
+    }
+    measured = [r[MISMATCH] for r in rows if MISMATCH in r]
+    if measured:
+        out["code_mismatch"] = float(np.mean(measured))
+    return out
+
+
+def moving_average(values: Sequence[float], width: int) -> np.ndarray:
+    """float64 [len(values)]: the mean of each value and the up to `width - 1` before it."""
+    v = np.asarray(values, np.float64)
+    c = np.concatenate([[0.0], np.cumsum(v)])
+    lo = np.maximum(np.arange(1, len(v) + 1) - width, 0)
+    return (c[1:] - c[lo]) / (np.arange(1, len(v) + 1) - lo)
+
+
+def _check(config: ExperimentConfig, methods: Sequence[str], smooth_steps: int) -> None:
+    rl = config.rl
+    if not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"quickstart.methods must be distinct method names; got {methods}")
+    if rl.format != "nvfp4":
+        # The SFT stage evaluates bf16 and NVFP4 execution only.
+        raise ValueError(f"rl.format must be 'nvfp4' (the SFT evaluation's); got {rl.format!r}")
+    if not rl.eval_every or rl.steps % rl.eval_every:
         raise ValueError(
-            f"rl.steps={cfg.rl.steps} must be a multiple of rl.eval_every={cfg.rl.eval_every} "
+            f"rl.steps={rl.steps} must be a multiple of rl.eval_every={rl.eval_every} "
             "so that the final policy is evaluated"
         )
-    sft_dir, rl_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "rl")
-    sft_rows, sft_s = sft.run_or_reuse(cfg, sft_dir)
-    rl_cfg = cfg.copy_and_resolve_references()
-    rl_cfg.rl.init_from = os.path.join(sft_dir, "sft_checkpoint")
+    if not 1 <= smooth_steps <= rl.steps:
+        raise ValueError(f"quickstart.smooth_steps={smooth_steps} must be in [1, rl.steps]")
+
+
+def run(cd, workdir: str) -> list[dict]:
+    """SFT once, then one RL run per method of `cd.quickstart.methods`; writes the artifacts and
+    returns the table's rows (one per method)."""
+    config = ExperimentConfig.from_config_dict(cd)
+    methods, smooth = tuple(cd.quickstart.methods), int(cd.quickstart.smooth_steps)
+    _check(config, methods, smooth)
+    seconds = {}
     t0 = time.perf_counter()
-    history = rl_main.run(rl_cfg, rl_dir)
-    rl_s = time.perf_counter() - t0
-    after = _final_rl_eval(rl_dir)
-    method = cfg.rl.method
-    rows = [
-        {
-            "split": r["split"],
-            "problems": r["problems"],
-            "SFT pass@1 (bf16)": r["pass@1_bf16"],
-            "SFT pass@1 (NVFP4)": r["pass@1_nvfp4"],
-            f"after {cfg.rl.steps} RL steps ({method}, {cfg.rl.format})": after[r["split"]],
+    sft_dir = os.path.join(workdir, "sft")
+    sft_rows, seconds["sft"] = sft_or_reuse(config, sft_dir)
+    sft_scores = {r["split"]: r for r in sft_rows}
+    rows, curves = [], {}
+    for method in methods:
+        rl = dataclasses.replace(
+            config.rl, method=method, init_from=os.path.join(sft_dir, SFT_CHECKPOINT)
+        )
+        run_config = dataclasses.replace(config, rl=rl)
+        rl_dir = os.path.join(workdir, f"rl_{method}")
+        t = time.perf_counter()
+        RLLoop(run_config, rl_dir).run()
+        seconds[f"rl_{method}"] = time.perf_counter() - t
+        metric_rows = read_rows(os.path.join(rl_dir, "rl_metrics.jsonl"))
+        final = read_rows(os.path.join(rl_dir, "rl_eval.jsonl"))[-1]
+        if final["step"] != rl.steps - 1:
+            raise RuntimeError(f"{rl_dir}: the last evaluation is of step {final['step']}")
+        # After SFT, the policy scored in the execution this method's rollouts and evaluation use.
+        sft_key = (
+            "pass@1_bf16" if run_config.method_setup().rollout_mode is SiteMode.OFF
+            else "pass@1_nvfp4"
+        )  # fmt: skip
+        summary = method_summary(metric_rows, smooth)
+        row = {
+            "method": method,
+            f"reward, first {smooth} steps": summary["reward_first"],
+            f"reward, last {smooth} steps": summary["reward_last"],
+            "train-rollout gap": summary["gap"],
+            "code mismatch": summary.get("code_mismatch", "n/a"),
         }
-        for r in sft_rows
-    ]
-    notes = (
-        f"Model `{cfg.model.preset}`; SFT {cfg.sft.steps} steps ({sft_s:.0f} s this run), RL "
-        f"{cfg.rl.steps} steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} samples "
-        f"({rl_s:.0f} s this run); task levels {list(cfg.tasks.levels)}; greedy pass@1. "
-        "`level1` is in-distribution; the other splits (levels 2-4) are beyond a model this size."
-    )
+        for split in config.eval.splits:
+            row[f"{split} pass@1 after SFT"] = sft_scores[split][sft_key]
+            row[f"{split} pass@1 after RL"] = final[split]
+        rows.append(row)
+        curves[method] = [
+            {k: r[k] for k in ("step", "reward", GAP, MISMATCH) if k in r} for r in metric_rows
+        ]
+    seconds["total"] = time.perf_counter() - t0
+    table = harness.markdown_table(rows, list(rows[0]))
+    notes = _notes(config, cd.model.preset, smooth, seconds)
     harness.write_results(
         "quickstart",
         rows,
-        title="Quickstart: SFT warm start, then RL with FP4 rollouts",
-        table=harness.markdown_table(rows, list(rows[0])),
+        title="Quickstart: RL of one SFT start with vanilla FP4 QAT and with TRACE",
+        table=table,
         notes=notes,
         outdir=workdir,
-        extra={"rl_history": history, "sft_seconds": sft_s, "rl_seconds": rl_s},
+        extra={"curves": curves, "sft_eval": sft_rows, "seconds": seconds},
     )
-    _plot(rows, rl_dir, os.path.join(workdir, "quickstart.png"))
-    print(harness.markdown_table(rows, list(rows[0])))
+    plot(curves, smooth, os.path.join(workdir, "quickstart.png"))
+    print(table)
     print(notes)
     return rows
 
 
-def _plot(rows: list[dict], rl_dir: str, path: str) -> None:
-    metrics = read_rows(os.path.join(rl_dir, "rl_metrics.jsonl"))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
-    ax1.plot([m["step"] for m in metrics], [m["reward"] for m in metrics], "o-", ms=3)
-    ax1.set(xlabel="RL step", ylabel="mean reward", title="RL reward")
-    ax1.grid(True, alpha=0.3)
-    cols = [c for c in rows[0] if c not in ("split", "problems")]
-    width = 0.8 / len(cols)
-    for i, col in enumerate(cols):
-        ax2.bar([j + i * width for j in range(len(rows))], [r[col] for r in rows], width, label=col)
-    ax2.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["split"] for r in rows])
-    ax2.set(ylabel="pass@1", title="held-out splits")
-    ax2.legend(fontsize=7)
+def _notes(config: ExperimentConfig, preset: str, smooth: int, seconds: dict[str, float]) -> str:
+    rl, ev = config.rl, config.eval
+    timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+    return (
+        f"Model `{preset}` ({config.model.n_layers} blocks); SFT {config.sft.steps} steps of batch "
+        f"{config.sft.batch_size} on level {list(config.tasks.levels)} problems of "
+        f"{', '.join(config.tasks.kinds)}; then {rl.steps} GRPO steps of {rl.prompts_per_step} "
+        f"prompts x {rl.grpo.group_size} samples (temperature {rl.temperature}, learning rate "
+        f"{rl.grpo.learning_rate:g}) with {rl.format} W/A/KV rollouts per method. Reward: mean "
+        f"over a step's samples, averaged over the first / last {smooth} steps. Train-rollout "
+        "gap: mean |log p_train - log p_rollout| over response tokens and steps. Code mismatch: "
+        "fraction of FP4 codes at the quantized sites where the trainer's fake quantization "
+        f"differs from the rollout's, on every {rl.mismatch_every}th step. pass@1: k = {ev.k} at "
+        f"temperature {ev.temperature} on {ev.problems_per_split} problems per split, in the "
+        f"method's rollout execution. Time this run: {timing}."
+    )
+
+
+def plot(curves: dict[str, list[dict]], smooth: int, path: str) -> str:
+    """Reward (each step, and its `smooth`-step moving average), train-rollout gap and code
+    mismatch per RL step, one line per method; saved to `path`."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for i, (method, rows) in enumerate(curves.items()):
+        color = f"C{i}"
+        steps = [r["step"] for r in rows]
+        reward = [r["reward"] for r in rows]
+        axes[0].plot(steps, reward, "o", ms=2.5, color=color, alpha=0.35)
+        axes[0].plot(steps, moving_average(reward, smooth), "-", color=color, label=method)
+        axes[1].plot(steps, [r[GAP] for r in rows], "-", color=color, label=method)
+        measured = [(r["step"], r[MISMATCH]) for r in rows if MISMATCH in r]
+        if measured:
+            axes[2].plot(*zip(*measured, strict=True), "o-", ms=3, color=color, label=method)
+    titles = (
+        f"reward (dots: per step; line: {smooth}-step mean)",
+        "train-rollout gap: mean |logp train - rollout|",
+        "code mismatch, trainer vs rollout FP4 codes",
+    )
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set(xlabel="RL step", title=title)
+        ax.title.set_fontsize(9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].set_ylim(bottom=0)
+    axes[2].set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
 
 def main(argv):
     del argv
+    quiet_third_party(flags.FLAGS.verbose)
     run(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
-if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
+def define_flags() -> None:
+    harness.define_config_flag("quickstart")
     flags.DEFINE_string("workdir", "workdir/quickstart", "where every stage writes")
-    flags.mark_flags_as_required(["config"])
+    flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl, jax)")
+
+
+if __name__ == "__main__":
+    define_flags()
     app.run(main)

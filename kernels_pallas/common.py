@@ -1,8 +1,13 @@
-"""Shared pieces of the Pallas kernels: backend choice, Triton compiler params, in-kernel decode.
+"""Shared pieces of the Pallas kernels: implementation choice, Triton params, in-kernel decode.
 
 Every kernel package (`kernels_pallas/<op>/`) has a plain-jnp `reference.py`, a Pallas `kernel.py`
-and an `api.py` that picks a backend: "pallas" (Triton lowering on a GPU, interpret mode
-elsewhere), "xla" (the reference), or "auto" (Pallas where it runs natively, else the reference).
+and an `api.py`, the op's one public interface. Its `implementation=` keyword (tokamax's
+convention, `implementation_order`): None (default: Pallas where it runs natively, on a GPU, with
+the XLA reference as fallback; the reference alone elsewhere), "pallas" (Triton lowering on a GPU,
+interpret mode elsewhere; NotImplementedError where the kernel cannot take the shapes), "xla" (the
+reference), or a sequence of names tried in order. Each api says which implementation runs:
+`fp4_quantize_with_implementation` and `fp4_moe_matmul_with_implementation` return it with the
+result; the decode-attention ops plan their call first (`*_plan(...).implementation`).
 
 In-kernel decoding reuses `trace_jax.fp4.numerics` (comparisons, shifts, float32 bit fields: all
 Pallas-friendly), so kernels and the quantizer share one definition of every format. Block scales
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +29,17 @@ from trace_jax.fp4 import BlockFormat, ElementType, ScaleType, numerics
 from trace_jax.fp4.scales import scale_bits_to_float32
 
 
-class Backend(enum.StrEnum):
-    AUTO = "auto"
+class Implementation(enum.StrEnum):
+    """How a kernel op runs: its Pallas kernel or its plain-XLA (pure-jnp) reference."""
+
     PALLAS = "pallas"
     XLA = "xla"
+
+
+# What an op's `implementation=` accepts: None, a name, or names to try in order.
+ImplementationLike = str | Implementation | Sequence[str | Implementation] | None
+# The default order on a GPU, where Pallas lowers through Triton.
+GPU_ORDER = (Implementation.PALLAS, Implementation.XLA)
 
 
 def on_gpu() -> bool:
@@ -33,18 +47,49 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_backend(backend: str | Backend, interpret: bool | None) -> tuple[Backend, bool]:
-    """Returns (backend to run, whether Pallas runs in interpret mode).
+def implementation_order(
+    implementation: ImplementationLike,
+    choices: type[enum.StrEnum] = Implementation,
+    gpu_order: tuple = GPU_ORDER,
+) -> tuple:
+    """The implementations an op tries, in order (members of `choices`).
 
-    "auto" runs Pallas natively on a GPU and the XLA reference elsewhere; "pallas" off the GPU runs
-    in interpret mode (how CI tests the kernels on the CPU).
+    None: `gpu_order` on a GPU, the XLA reference alone elsewhere, so the default runs everywhere
+    (off the GPU Pallas runs only in interpret mode, which is slow; callers ask for it by name).
+    A name: that implementation alone; where it cannot run, its NotImplementedError propagates.
+    A sequence: each in turn, the next one tried when one raises NotImplementedError.
     """
-    backend = Backend(backend)
-    if backend is Backend.AUTO:
-        backend = Backend.PALLAS if on_gpu() else Backend.XLA
-    if interpret is None:
-        interpret = not on_gpu()
-    return backend, interpret
+    if implementation is None:
+        return tuple(gpu_order) if on_gpu() else (choices("xla"),)
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if not names:
+        raise ValueError("implementation must not be an empty sequence")
+    valid = [c.value for c in choices]
+    for name in names:
+        if name not in valid:
+            raise ValueError(
+                f"implementation must be None, one of {valid} or a sequence of them; got {name!r}"
+            )
+    return tuple(choices(name) for name in names)
+
+
+def interpret_mode(interpret: bool | None) -> bool:
+    """Whether Pallas runs in interpret mode: as given, by default off the GPU (how CI tests the
+    kernels on the CPU)."""
+    return not on_gpu() if interpret is None else interpret
+
+
+def run_first[T](order: Sequence, runners: Mapping[Any, Callable[[], T]]) -> tuple[T, Any]:
+    """Runs `runners[name]()` for each name of `order` until one returns (tokamax's fallback):
+    returns (its result, its name). A NotImplementedError moves on to the next name; the last
+    name's error propagates."""
+    for i, name in enumerate(order):
+        try:
+            return runners[name](), name
+        except NotImplementedError:
+            if i == len(order) - 1:
+                raise
+    raise ValueError("implementation order is empty")
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> pl_triton.CompilerParams:

@@ -1,5 +1,5 @@
 """Flash-decoding attention over a packed FP4 KV cache (and its bf16 twin): reference, Pallas
-kernel, and an api that picks the backend. See `kernel.py` for the design and byte counts."""
+kernel, and the api that picks the implementation. `kernel.py` has the design and byte counts."""
 
 from kernels_pallas.fp4_decode_attention.api import (
     DEFAULT_BLOCK_S,

@@ -1,11 +1,12 @@
-"""Decode attention over a packed FP4 (or bf16) KV cache: input checks, defaults, backend choice.
+"""Decode attention over a packed FP4 (or bf16) KV cache: the ops' one public interface.
 
 `fp4_decode_attention(q, k_cache, v_cache, lengths)` attends one new query token per sequence to
 the slots `< lengths[b]` of a `PackedTensorCache` pair; `bf16_decode_attention` is its twin over a
-bf16 cache. Backends (`kernels_pallas.common.resolve_backend`): "pallas" (the Triton kernel on a
-GPU, interpret mode elsewhere), "xla" (the float32 reference), "auto" (Pallas on a GPU when the
-shapes fit Triton, else XLA). `*_plan(...)` takes the same arguments and returns the `DecodePlan`
-the call runs: which backend, the tiling, and why it fell back, if it did.
+bf16 cache. `implementation=` (`kernels_pallas.common`): "pallas" (the Triton kernel on a GPU,
+interpret mode elsewhere; NotImplementedError on a GPU where the shapes do not fit Triton), "xla"
+(the float32 reference), None (Pallas on a GPU where the shapes fit Triton, else the reference),
+or a sequence of them. `*_plan(...)` takes the same arguments and returns the `DecodePlan` the
+call runs: which implementation, the tiling, and why a preferred implementation was skipped.
 
 Axis legend: B batch, H query heads, Hkv kv heads, G = H // Hkv, S cache slots, Dh head dim.
 """
@@ -18,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import Backend, resolve_backend
+from kernels_pallas import common
+from kernels_pallas.common import Implementation, ImplementationLike
 from kernels_pallas.fp4_decode_attention import kernel, reference
-from trace_jax.models.packed_kv_cache import PackedTensorCache
+from trace_jax.fp4 import PackedTensorCache
 
-# Default tiling per kernel, from the H200 launch sweep (experiments/results/kernels.md): the FP4
+# Default tiling per kernel, from the H200 launch sweep (kernels_decode_attention.md): the FP4
 # kernel is bound by its arithmetic and load latency and gains from more resident programs (8 per
 # SM, 128-slot steps: 1.49 -> 1.27 ms at 128K); the bf16 twin streams at the read ceiling with 2
 # per SM.
@@ -30,19 +32,19 @@ DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
 # Three load stages from 32K slots on: 1-13% faster than two at 32K-128K in both H200 runs of
 # 2026-12-01, while at 4K-8K the two runs disagreed (-7% to +11%), so shorter caches keep
-# BlockConfig's two, as does the bf16 twin (kernels_findings.md item 19).
+# BlockConfig's two, as does the bf16 twin.
 FP4_LONG_CONTEXT_SLOTS = 32768
 FP4_LONG_CONTEXT_NUM_STAGES = 3
 # p . v accumulated transposed from head_dim 128 on, with the "f16" decode: 3-11% faster at
 # 32K-128K for G = 4 and 8 with head_dim 128 on the H200, 2.3-2.7x slower with head_dim 64, and
-# the "e4m3" decode 36-48% slower with it (kernels_findings item 22).
+# the "e4m3" decode 36-48% slower with it.
 FP4_PV_TRANSPOSED_MIN_HEAD_DIM = 128
 # Streaming multiprocessors of an H100/H200; the default k_splits aims at programs per SM.
 NUM_SMS = 132
 TARGET_PROGRAMS = 2 * NUM_SMS  # bf16 twin
 FP4_TARGET_PROGRAMS = 8 * NUM_SMS
 _Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# The "xla" backend: the references, jitted (eager calls would dispatch every op separately).
+# The "xla" implementation: the references, jitted (eager calls would dispatch every op separately).
 fp4_reference_jit = jax.jit(reference.fp4_decode_attention_reference)
 bf16_reference_jit = jax.jit(reference.bf16_decode_attention_reference)
 
@@ -52,14 +54,15 @@ class DecodePlan:
     """What one call runs.
 
     Attributes:
-      backend: Backend.PALLAS or Backend.XLA.
+      implementation: Implementation.PALLAS or Implementation.XLA.
       interpret: Pallas in interpret mode (off the GPU).
       config: the kernel's tiling (also filled in for XLA, which ignores it).
       k_splits: number of splits of the S slots (grid axis 2).
-      fallback: why "auto" chose XLA on a GPU, else None.
+      fallback: why an earlier implementation of the order was skipped (Pallas on a GPU for
+        shapes Triton cannot take), else None.
     """
 
-    backend: Backend
+    implementation: Implementation
     interpret: bool
     config: kernel.BlockConfig
     k_splits: int
@@ -107,7 +110,7 @@ def _plan(
     kv_heads: int,
     block_size: int | None,
     *,
-    backend,
+    implementation,
     k_splits,
     block_s,
     interpret,
@@ -120,17 +123,19 @@ def _plan(
     default_pv_transposed=None,
     target_programs=TARGET_PROGRAMS,
 ) -> DecodePlan:
-    if backend not in set(Backend):
-        raise ValueError(f"backend must be one of {[b.value for b in Backend]}, got {backend!r}")
-    requested = Backend(backend)
-    chosen, interpret = resolve_backend(requested, interpret)
-    fallback = None
-    if chosen is Backend.PALLAS and not interpret:
-        reason = _triton_unsupported(q.shape[-1], block_size)
-        if reason is not None and requested is Backend.PALLAS:
+    order = common.implementation_order(implementation)
+    interpret = common.interpret_mode(interpret)
+    chosen, fallback = None, None
+    for i, impl in enumerate(order):
+        reason = None
+        if impl is Implementation.PALLAS and not interpret:
+            reason = _triton_unsupported(q.shape[-1], block_size)
+        if reason is None:
+            chosen = impl
+            break
+        if i == len(order) - 1:
             raise NotImplementedError(f"the Pallas decode-attention kernel: {reason}")
-        if reason is not None:
-            chosen, fallback = Backend.XLA, reason
+        fallback = reason
 
     if slots < 1:
         raise ValueError("the cache has no slots (S = 0)")
@@ -165,7 +170,7 @@ def fp4_decode_attention_plan(
     v_cache: PackedTensorCache,
     lengths: jax.Array,
     *,
-    backend: str | Backend = "auto",
+    implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
@@ -215,7 +220,7 @@ def fp4_decode_attention_plan(
         slots,
         kv_heads,
         k_cache.fmt.block_size,
-        backend=backend,
+        implementation=implementation,
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
@@ -239,7 +244,7 @@ def fp4_decode_attention(
     v_cache: PackedTensorCache,
     lengths: jax.Array,
     *,
-    backend: str | Backend = "auto",
+    implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
@@ -255,7 +260,7 @@ def fp4_decode_attention(
       k_cache, v_cache: `PackedTensorCache`s of one format (NVFP4 or MXFP4), [B, S, Hkv, Dh].
       lengths: int [B]; slots < lengths[b] are attended (at least 1; 0 gives NaN). Values above S
         count as S.
-      backend: "auto" | "pallas" | "xla" (see the module docstring).
+      implementation: None | "pallas" | "xla" or a sequence of them (see the module docstring).
       k_splits: splits of the S slots (default: `default_k_splits`); the effective number is
         `fp4_decode_attention_plan(...).k_splits` (no split is left empty).
       block_s: slots per kernel step, a power of two >= 16 (default FP4_DEFAULT_BLOCK_S).
@@ -275,7 +280,7 @@ def fp4_decode_attention(
         k_cache,
         v_cache,
         lengths,
-        backend=backend,
+        implementation=implementation,
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
@@ -284,7 +289,7 @@ def fp4_decode_attention(
         num_stages=num_stages,
         pv_transposed=pv_transposed,
     )
-    if plan.backend is Backend.XLA:
+    if plan.implementation is Implementation.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)
     return kernel.fp4_decode_attention_pallas(
         q, k_cache, v_cache, lengths, config=plan.config, interpret=plan.interpret
@@ -297,7 +302,7 @@ def bf16_decode_attention_plan(
     v: jax.Array,
     lengths: jax.Array,
     *,
-    backend: str | Backend = "auto",
+    implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
@@ -315,7 +320,7 @@ def bf16_decode_attention_plan(
         slots,
         kv_heads,
         None,
-        backend=backend,
+        implementation=implementation,
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
@@ -328,7 +333,7 @@ def bf16_decode_attention(
     v: jax.Array,
     lengths: jax.Array,
     *,
-    backend: str | Backend = "auto",
+    implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
     interpret: bool | None = None,
@@ -336,9 +341,16 @@ def bf16_decode_attention(
     """`fp4_decode_attention`'s twin over a bf16 cache k, v [B, S, Hkv, Dh] (same arguments)."""
     lengths = jnp.asarray(lengths)
     plan = bf16_decode_attention_plan(
-        q, k, v, lengths, backend=backend, k_splits=k_splits, block_s=block_s, interpret=interpret
+        q,
+        k,
+        v,
+        lengths,
+        implementation=implementation,
+        k_splits=k_splits,
+        block_s=block_s,
+        interpret=interpret,
     )
-    if plan.backend is Backend.XLA:
+    if plan.implementation is Implementation.XLA:
         return bf16_reference_jit(q, k, v, lengths)
     return kernel.bf16_decode_attention_pallas(
         q, k, v, lengths, config=plan.config, interpret=plan.interpret

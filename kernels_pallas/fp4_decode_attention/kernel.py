@@ -31,15 +31,14 @@ FP4 decode in the kernel, two variants (`BlockConfig.decode`):
 Both contract even and odd element planes separately ([block_s, Dh/2] each; the query is split
 outside, the output planes p @ v_even, p @ v_odd are interleaved after the kernel), so the kernel
 never interleaves nibbles; the alignment factor is undone on the scores and the output. A float32
-query runs float32 dots (IEEE, not TF32). Measured on the H200 at 128K, paper-like shape
-(experiments/results/kernels_findings.md): compare/select decode 4.0 ms, "e4m3" 1.9-2.1 ms, "f16"
-1.48 ms, 1.27-1.45 ms with the FP4 launch defaults, 1.21-1.36 ms with three load stages, 1.05 ms
-over the head-major cache (`PackedTensorCache` stores [B, Hkv, S, ...]: one program's rows
-contiguous; the slot-major layout loaded at half the read bandwidth), 1.01 ms with p . v
-transposed (`BlockConfig.pv_transposed`, the default from head_dim 128): as fast as the bf16 twin,
-29% of the read bandwidth. By a stage-by-stage ablation the loads alone now run at 76% of the
-read bandwidth (0.40 ms) and decode, q . k and the online softmax add about 0.6 ms that the FP4
-bytes are too few to hide.
+query runs float32 dots (IEEE, not TF32). Measured on the H200 at 128K, paper-like shape:
+compare/select decode 4.0 ms, "e4m3" 1.9-2.1 ms, "f16" 1.48 ms, 1.27-1.45 ms with the FP4 launch
+defaults, 1.21-1.36 ms with three load stages, 1.05 ms over the head-major cache
+(`PackedTensorCache` stores [B, Hkv, S, ...]: one program's rows contiguous; the slot-major layout
+loaded at half the read bandwidth), 1.01 ms with p . v transposed (`BlockConfig.pv_transposed`, the
+default from head_dim 128): as fast as the bf16 twin, 29% of the read bandwidth. By a
+stage-by-stage ablation the loads alone now run at 76% of the read bandwidth (0.40 ms) and decode,
+q . k and the online softmax add about 0.6 ms that the FP4 bytes are too few to hide.
 
 A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
 (Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the head-major cache
@@ -63,8 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import common
-from trace_jax.fp4 import BlockFormat
-from trace_jax.models.packed_kv_cache import PackedTensorCache
+from trace_jax.fp4 import BlockFormat, PackedTensorCache
 
 # Smallest query tile: Triton's dot needs M >= 16.
 MIN_BLOCK_G = 16
@@ -88,9 +86,9 @@ class BlockConfig:
         PTX to float16, float16 dots) or "e4m3" (bytes to FP8, hardware FP8 -> bf16, bf16 dots).
       pv_transposed: accumulate the output transposed, acc^T [Dh, block_g] += V^T . p^T, so the
         decoded V rows are the dot's first operand and the block_g query rows (8 for a group of
-        8, below the 16-row MMA tile) its N dimension (kernels_findings item 15). The same sums
-        in another operand order. On the H200 3-11% faster with head_dim 128, 2.3-2.7x slower
-        with head_dim 64 (item 22); the api turns it on from head_dim 128.
+        8, below the 16-row MMA tile) its N dimension. The same sums in another operand order.
+        On the H200 3-11% faster with head_dim 128, 2.3-2.7x slower with head_dim 64; the api
+        turns it on from head_dim 128.
     """
 
     block_s: int
@@ -131,7 +129,7 @@ def dot_dtype_for(q_dtype) -> jnp.dtype:
 # Kernel body.
 
 
-def _load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
+def load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
     """Rows [start, start + block_s) of a per-(b, h) ref [S, ...]; rows not `valid` are not read
     and come back as zeros."""
     rows = pl.ds(start, block_s)
@@ -244,7 +242,7 @@ def _flash_decode_kernel(
     """One (b, h, split): online softmax over the split's blocks; writes (acc planes, m, l).
 
     q_scale_ref [block_g] float32 scales each query row's scores (the softmax scale times the
-    factor the query was normalized by, see `_flash_decode`). `pv_transposed`:
+    factor the query was normalized by, see `flash_decode`). `pv_transposed`:
     `BlockConfig.pv_transposed`.
     """
     q_refs, kv_refs = refs[:n_planes], refs[n_planes : n_planes + n_kv_refs]
@@ -308,10 +306,10 @@ def _kv_pair_loader(fmt: BlockFormat, load_one) -> LoadKV:
 
 def _fp4_load_kv(fmt: BlockFormat, block_s: int, dot_dtype) -> LoadKV:
     def load_one(codes_ref, bits_ref, global_ref, start, valid):
-        codes = _load_rows(codes_ref, start, block_s, valid)
-        bits = _load_rows(bits_ref, start, block_s, valid)
+        codes = load_rows(codes_ref, start, block_s, valid)
+        bits = load_rows(bits_ref, start, block_s, valid)
         planes = decode_fp4_planes(codes, bits, fmt, dot_dtype)
-        row_scale = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
+        row_scale = None if global_ref is None else load_rows(global_ref, start, block_s, valid)
         return planes, row_scale
 
     return _kv_pair_loader(fmt, load_one)
@@ -321,9 +319,9 @@ def _fp4_f16_load_kv(fmt: BlockFormat, block_s: int, dot_dtype, inline_asm: bool
     """Like `_fp4_load_kv` over codes split by scale block ([S, NB, block/2] per (b, h))."""
 
     def load_one(codes_ref, bits_ref, global_ref, start, valid):
-        codes = _load_rows(codes_ref, start, block_s, valid)
-        bits = _load_rows(bits_ref, start, block_s, valid)
-        glob = None if global_ref is None else _load_rows(global_ref, start, block_s, valid)
+        codes = load_rows(codes_ref, start, block_s, valid)
+        bits = load_rows(bits_ref, start, block_s, valid)
+        glob = None if global_ref is None else load_rows(global_ref, start, block_s, valid)
         return decode_fp4_planes_f16(codes, bits, glob, fmt, dot_dtype, inline_asm=inline_asm)
 
     return _kv_pair_loader(fmt, load_one)
@@ -332,8 +330,8 @@ def _fp4_f16_load_kv(fmt: BlockFormat, block_s: int, dot_dtype, inline_asm: bool
 def _bf16_load_kv(block_s: int, dot_dtype) -> LoadKV:
     def load_kv(refs, start, valid):
         k_ref, v_ref = refs
-        k = _load_rows(k_ref, start, block_s, valid).astype(dot_dtype)
-        v = _load_rows(v_ref, start, block_s, valid).astype(dot_dtype)
+        k = load_rows(k_ref, start, block_s, valid).astype(dot_dtype)
+        v = load_rows(v_ref, start, block_s, valid).astype(dot_dtype)
         return (k,), None, (v,), None
 
     return load_kv
@@ -343,7 +341,7 @@ def _bf16_load_kv(block_s: int, dot_dtype) -> LoadKV:
 # pallas_call and the split combine.
 
 
-def _flash_decode(
+def flash_decode(
     q: jax.Array,
     kv_arrays: Sequence[jax.Array],
     lengths: jax.Array,
@@ -463,7 +461,7 @@ def fp4_decode_attention_pallas(
     interpret: bool,
 ) -> jax.Array:
     """Decode attention reading the packed FP4 cache in the kernel (inputs checked by the api)."""
-    return _flash_decode(
+    return flash_decode(
         q,
         lengths=lengths,
         config=config,
@@ -476,7 +474,7 @@ def fp4_decode_attention_pallas(
 def fp4_kernel_inputs(
     q_dtype, k_cache: PackedTensorCache, v_cache: PackedTensorCache, config: BlockConfig, interpret
 ) -> dict:
-    """`_flash_decode`'s cache arguments for a packed FP4 cache: the kv arrays (codes split by
+    """`flash_decode`'s cache arguments for a packed FP4 cache: the kv arrays (codes split by
     scale block for the "f16" decode, scale bits, NVFP4 global scales), their loader and the
     dot settings."""
     fmt = k_cache.fmt
@@ -519,7 +517,7 @@ def bf16_decode_attention_pallas(
     """The same kernel over a bf16 cache k, v [B, S, Hkv, Dh] (inputs checked by the api)."""
     dot_dtype = dot_dtype_for(q.dtype)
     load_kv = _bf16_load_kv(config.block_s, dot_dtype)
-    return _flash_decode(
+    return flash_decode(
         q,
         [k, v],
         lengths,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trace_jax.models.packed_kv_cache import PackedTensorCache
+from trace_jax.fp4 import PackedTensorCache
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

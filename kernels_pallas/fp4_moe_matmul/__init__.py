@@ -9,21 +9,21 @@ weights stored `[G, N, K]` (contraction last, like the model's `[E, F, D]` exper
 
 Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Pallas, Triton
 lowering; its docstring has the design, the numerics and what a TPU lowering would need), `api.py`
-(backend choice with fallback).
+(the op's interface: implementation choice with fallback).
 
-Status: the Pallas kernel runs on the H200 (experiments/results/kernels_findings.md) and in
-interpret mode in CI. The "scaled_matmul" backend (`scaled.py`: `jax.nn.scaled_matmul` over
+Status: the Pallas kernel runs on the H200 (experiments/results/kernels_moe_matmul.md) and in
+interpret mode in CI. The "scaled_matmul" implementation (`scaled.py`: `jax.nn.scaled_matmul` over
 per-group row tiles, for native block-scaled FP4 on Blackwell) is tested on the CPU against the
 reference; it was never run on a Blackwell GPU (none available), so nothing about its speed is
 measured.
 """
 
 from kernels_pallas.fp4_moe_matmul.api import (
-    MoEBackend,
-    backend_order,
+    MoEImplementation,
     block_config,
     fp4_moe_matmul,
-    fp4_moe_matmul_with_backend,
+    fp4_moe_matmul_with_implementation,
+    implementation_order,
 )
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
@@ -41,9 +41,8 @@ from kernels_pallas.fp4_moe_matmul.reference import (
 
 __all__ = [
     "BlockConfig",
-    "MoEBackend",
+    "MoEImplementation",
     "PackedFP4Weights",
-    "backend_order",
     "block_config",
     "check_operands",
     "dequantize_lhs",
@@ -51,7 +50,8 @@ __all__ = [
     "fp4_moe_matmul",
     "fp4_moe_matmul_pallas",
     "fp4_moe_matmul_reference",
-    "fp4_moe_matmul_with_backend",
+    "fp4_moe_matmul_with_implementation",
+    "implementation_order",
     "pack_weights",
     "tile_group_ranges",
 ]

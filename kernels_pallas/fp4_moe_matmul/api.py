@@ -1,13 +1,14 @@
-"""`fp4_moe_matmul`: picks a backend, falling back on NotImplementedError, the XLA reference last.
+"""`fp4_moe_matmul`: the op's one public interface; tries implementations in order, moving on
+at NotImplementedError, the XLA reference last.
 
-Backends, in the order "auto" tries them:
+Implementations, in the order the default (`implementation=None`) tries them on a GPU:
   * "scaled_matmul" (GPUs of compute capability >= 10, NVFP4 x NVFP4; and the CPU, where tests
     run it): `jax.nn.scaled_matmul` over per-group row tiles (`scaled.py`); NOT run on a
     Blackwell GPU here (none available), so its cuDNN lowering and speed are unverified.
   * "pallas": `kernel.fp4_moe_matmul_pallas`, Triton on a GPU, interpret mode elsewhere.
   * "xla": `reference.fp4_moe_matmul_reference`.
-"auto" off a GPU is the reference alone (`kernels_pallas.common.resolve_backend`). An explicitly
-named backend runs alone and its errors propagate.
+The default off a GPU is the reference alone (`kernels_pallas.common.implementation_order`). A
+named implementation runs alone and its errors propagate; a sequence of names is tried in order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import Backend, on_gpu, resolve_backend
+from kernels_pallas import common
 from kernels_pallas.fp4_moe_matmul import scaled
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
@@ -39,8 +40,10 @@ _DEFAULTS = BlockConfig()
 _MIN_BLOCK = 16
 
 
-class MoEBackend(enum.StrEnum):
-    AUTO = "auto"
+class MoEImplementation(enum.StrEnum):
+    """The implementations of `fp4_moe_matmul` (`kernels_pallas.common.Implementation` plus
+    cuDNN's block-scaled matmul)."""
+
     SCALED_MATMUL = "scaled_matmul"
     PALLAS = "pallas"
     XLA = "xla"
@@ -48,7 +51,7 @@ class MoEBackend(enum.StrEnum):
 
 def _compute_capability() -> float:
     """The default GPU's compute capability (e.g. 9.0 on an H200), 0.0 off a GPU."""
-    if not on_gpu():
+    if not common.on_gpu():
         return 0.0
     try:
         return float(jax.devices()[0].compute_capability)
@@ -113,16 +116,18 @@ def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     """
     del interpret
     if not isinstance(lhs, fp4.QTensor):
-        raise NotImplementedError("scaled_matmul backend needs block-scaled (QTensor) activations")
+        raise NotImplementedError(
+            "scaled_matmul implementation needs block-scaled (QTensor) activations"
+        )
     if lhs.fmt.block_size != rhs.fmt.block_size:
         raise NotImplementedError(
-            f"scaled_matmul backend needs equal scale blocks, got {lhs.fmt.name} "
+            f"scaled_matmul implementation needs equal scale blocks, got {lhs.fmt.name} "
             f"({lhs.fmt.block_size}) x {rhs.fmt.name} ({rhs.fmt.block_size})"
         )
-    if on_gpu():
+    if common.on_gpu():
         if _compute_capability() < 10:
             raise NotImplementedError(
-                "scaled_matmul backend needs a GPU of compute capability >= 10 (Blackwell)"
+                "scaled_matmul implementation needs a GPU of compute capability >= 10 (Blackwell)"
             )
         if not scaled.supported_on_gpu(lhs, rhs):
             raise NotImplementedError(
@@ -145,35 +150,29 @@ def _run_xla(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     return fp4_moe_matmul_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)
 
 
-_RUNNERS: dict[MoEBackend, Callable[..., jax.Array]] = {
-    MoEBackend.SCALED_MATMUL: _run_scaled_matmul,
-    MoEBackend.PALLAS: _run_pallas,
-    MoEBackend.XLA: _run_xla,
+_RUNNERS: dict[MoEImplementation, Callable[..., jax.Array]] = {
+    MoEImplementation.SCALED_MATMUL: _run_scaled_matmul,
+    MoEImplementation.PALLAS: _run_pallas,
+    MoEImplementation.XLA: _run_xla,
 }
 
 
-def backend_order(backend: str | MoEBackend, interpret: bool | None):
-    """Returns (backends to try in order, Pallas interpret flag)."""
-    backend = MoEBackend(backend)
-    if backend is MoEBackend.SCALED_MATMUL:
-        return (backend,), bool(interpret)
-    resolved, interpret = resolve_backend(Backend(backend.value), interpret)
-    if backend is not MoEBackend.AUTO:
-        return (MoEBackend(resolved.value),), interpret
-    if resolved is Backend.XLA:
-        return (MoEBackend.XLA,), interpret
-    order = (MoEBackend.PALLAS, MoEBackend.XLA)
-    if _compute_capability() >= 10:
-        order = (MoEBackend.SCALED_MATMUL, *order)
-    return order, interpret
+def implementation_order(
+    implementation: common.ImplementationLike | MoEImplementation,
+) -> tuple[MoEImplementation, ...]:
+    """The implementations `fp4_moe_matmul` tries, in order (see the module docstring)."""
+    gpu_order = (MoEImplementation.PALLAS, MoEImplementation.XLA)
+    if implementation is None and _compute_capability() >= 10:
+        gpu_order = (MoEImplementation.SCALED_MATMUL, *gpu_order)
+    return common.implementation_order(implementation, MoEImplementation, gpu_order)
 
 
-def fp4_moe_matmul_with_backend(
+def fp4_moe_matmul_with_implementation(
     lhs: Lhs,
     rhs: PackedFP4Weights,
     group_sizes: jax.Array,
     *,
-    backend: str | MoEBackend = "auto",
+    implementation: common.ImplementationLike | MoEImplementation = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -182,10 +181,11 @@ def fp4_moe_matmul_with_backend(
     grid: str = _DEFAULTS.grid,
     interpret: bool | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
-) -> tuple[jax.Array, MoEBackend]:
-    """`fp4_moe_matmul` that also returns the backend that ran."""
+) -> tuple[jax.Array, MoEImplementation]:
+    """`fp4_moe_matmul` (same arguments) that also returns the implementation that ran."""
     check_operands(lhs, rhs, group_sizes)
-    order, interpret = backend_order(backend, interpret)
+    order = implementation_order(implementation)
+    interpret = common.interpret_mode(interpret)
     tiling = dict(
         block_m=block_m,
         block_n=block_n,
@@ -194,17 +194,13 @@ def fp4_moe_matmul_with_backend(
         num_stages=num_stages,
         grid=grid,
     )
-    for i, name in enumerate(order):
-        try:
-            out = _RUNNERS[name](
-                lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, out_dtype=out_dtype
-            )
-        except NotImplementedError:
-            if i == len(order) - 1:
-                raise
-            continue
-        return out, name
-    raise AssertionError("unreachable: the last backend either returns or raises")
+
+    def runner(name):
+        return lambda: _RUNNERS[name](
+            lhs, rhs, group_sizes, tiling=tiling, interpret=interpret, out_dtype=out_dtype
+        )
+
+    return common.run_first(order, {name: runner(name) for name in order})
 
 
 def fp4_moe_matmul(
@@ -212,7 +208,7 @@ def fp4_moe_matmul(
     rhs: PackedFP4Weights,
     group_sizes: jax.Array,
     *,
-    backend: str | MoEBackend = "auto",
+    implementation: common.ImplementationLike | MoEImplementation = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -229,21 +225,22 @@ def fp4_moe_matmul(
       rhs: `PackedFP4Weights` `[G, N, K]` (see `pack_weights`).
       group_sizes: int32 `[G]`; rows are grouped contiguously, `sum(group_sizes) <= M`, rows past
         the sum give 0.
-      backend: "auto" | "pallas" | "scaled_matmul" | "xla" (see the module docstring).
+      implementation: None | "scaled_matmul" | "pallas" | "xla", or a sequence of them (see the
+        module docstring).
       block_m, block_n, block_k: Pallas tiles (powers of two >= 16). None: 64, shrunk to fit M,
         to divide N, and to divide K while staying a multiple of the formats' block sizes.
       num_warps, num_stages: Triton launch parameters.
       grid: Pallas program order, "row_tiles" or "groups" (see `kernel.GRID_ORDERS`).
       interpret: Pallas interpret mode; None: on unless running on a GPU.
-      out_dtype: output dtype; every backend accumulates in float32.
+      out_dtype: output dtype; every implementation accumulates in float32.
 
     Not differentiable (no custom_vjp): the rollout path only runs it forward.
     """
-    out, _ = fp4_moe_matmul_with_backend(
+    out, _ = fp4_moe_matmul_with_implementation(
         lhs,
         rhs,
         group_sizes,
-        backend=backend,
+        implementation=implementation,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,

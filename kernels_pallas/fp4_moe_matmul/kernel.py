@@ -30,8 +30,8 @@ float32; only the NVFP4 global scales (arbitrary float32) are applied after the 
 float32 multiplications. The reference instead rounds `code * (block_scale * global_scale)` per
 element in float32, so the two agree to float32 summation error (see the tests' tolerance).
 
-GPU status: runs on the H200 (experiments/results/kernels.md, relative error vs the reference
-8e-7): with the group-major grid, prefill (M = 32768, 128 experts) is 13x faster than bf16
+GPU status: runs on the H200 (experiments/results/kernels_moe_matmul.md, relative error vs the
+reference 8e-7): with the group-major grid, prefill (M = 32768, 128 experts) is 13x faster than bf16
 `ragged_dot` and decode (M = 128) 1.3x faster; the first (row tile, N tile) grid was 13x slower
 than `ragged_dot` at decode (a few dozen programs). JAX 0.11 marks the Pallas Triton backend
 deprecated in favour of Mosaic GPU.
@@ -73,7 +73,8 @@ _MIN_DOT_DIM = 16  # Triton's smallest tensor-core tile edge for bfloat16 `tl.do
 # (fast at prefill, slow at decode, where it makes only a few dozen programs).
 # "groups" (default): grid (G, N / block_n), a program loops over its group's row tiles, so decode
 # with many experts gets G x N / block_n programs. H200, G=128 K=2048 N=768 NVFP4
-# (experiments/results/kernels.md): decode M=128 2.40 -> 0.14 ms, prefill M=32768 2.08 -> 1.43 ms.
+# (experiments/results/kernels_moe_matmul.md): decode M=128 2.40 -> 0.14 ms, prefill M=32768
+# 2.08 -> 1.43 ms.
 GRID_ORDERS = ("row_tiles", "groups")
 
 

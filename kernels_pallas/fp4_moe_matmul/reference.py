@@ -1,4 +1,4 @@
-"""The op's data types, argument checks and float32 XLA reference (the "base" of every backend).
+"""The op's data types, argument checks and float32 XLA reference (every implementation's base).
 
 Axis legend: M rows of lhs (token-slot assignments sorted by group), K contraction, N outputs,
 G groups (experts). Contract: `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`,

@@ -1,4 +1,4 @@
-"""The native block-scaled backend: `jax.nn.scaled_matmul` over row tiles that each hold one group.
+"""The native block-scaled implementation: `jax.nn.scaled_matmul` over one-group row tiles.
 
 `jax.nn.scaled_matmul` is a dense batched product `[B, T, K] x [B, N, K] -> [B, T, N]` of
 block-scaled operands (on a GPU: cuDNN, Blackwell's FP4 tensor cores for NVFP4 x NVFP4; on the

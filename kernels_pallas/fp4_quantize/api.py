@@ -1,4 +1,9 @@
-"""`fp4_quantize`: fused quantize + guidance capture, Pallas where it runs, the reference else."""
+"""`fp4_quantize`: fused quantize + guidance capture, the op's one public interface.
+
+Implementations (`implementation=`, see `kernels_pallas.common`): "pallas" (the fused kernel; rows
+of a power-of-two width only) and "xla" (`quantize_capture_reference`, any width). Both give the
+same codes, scales and bits.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
+from kernels_pallas.common import Implementation, ImplementationLike
 from kernels_pallas.fp4_quantize.kernel import DEFAULT_PACK, quantize_capture_pallas
 from kernels_pallas.fp4_quantize.reference import QuantizedCapture, quantize_capture_reference
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, Guidance, GuidanceMode
 from trace_jax.fp4.scales import from_bits, global_scale, to_bits
-
-_last_backend: list[str] = ["none"]
-
-
-def last_backend() -> str:
-    """Which backend the last `fp4_quantize` call traced ("pallas" | "xla")."""
-    return _last_backend[0]
 
 
 def _is_pow2(n: int) -> bool:
@@ -39,14 +38,14 @@ def _check(x: jax.Array, fmt: BlockFormat, guidance: Guidance | None) -> None:
 TILE_ELEMENTS = 2048
 # Rows wider than this are cut into column tiles of this width and COLUMN_TILE_ROWS rows by
 # default: on the H200 every 4096-element column tile (16 x 256, 8 x 512, 4 x 1024) ran 1.3x
-# (MXFP4) to 3.5x (NVFP4) faster than one whole 4096-wide row per program
-# (`experiments/results/kernels_quantize.md`, kernels_findings.md item 10).
+# (MXFP4) to 3.5x (NVFP4) faster than one whole 4096-wide row per program: more, smaller
+# programs (`experiments/results/kernels_quantize.md`).
 COLUMN_TILE = 1024
 COLUMN_TILE_ROWS = 4
 # NVFP4 rows wider than this are walked by ROW_LOOP_ROWS-row programs in chunks of this width, the
 # global scale from a first pass over the chunks (no separate XLA pass over the rows): 0.356 ms
-# against 0.456 ms for column tiles plus XLA's global scale at 65536 x 4096 bf16 on the H200
-# (kernels_findings.md item 18).
+# against 0.456 ms for column tiles plus XLA's global scale at 65536 x 4096 bf16 on the H200,
+# one read of the rows fewer.
 ROW_LOOP_CHUNK = 2048
 ROW_LOOP_ROWS = 2
 
@@ -66,7 +65,7 @@ def fp4_quantize(
     fmt: str | BlockFormat,
     *,
     guidance: Guidance | None = None,
-    backend: str = "auto",
+    implementation: ImplementationLike = None,
     block_r: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -77,7 +76,9 @@ def fp4_quantize(
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
 
     Codes, scales and bits are identical to `trace_jax.fp4` (NVFP4: one global scale per row).
-    The Pallas path needs N a power of two; otherwise the XLA reference runs. `block_r` rows per
+    `implementation`: None, "pallas", "xla" or a sequence of them (`kernels_pallas.common`); the
+    Pallas kernel needs N a power of two (NotImplementedError otherwise, so None and
+    ("pallas", "xla") fall back to the reference). `block_r` rows per
     program and `block_n` columns per program (a power of two dividing N, a multiple of the block
     and of 8; below N the NVFP4 global scale is computed by XLA first). Default
     (`default_launch`, the fastest measured): NVFP4 rows wider than ROW_LOOP_CHUNK walked in
@@ -87,18 +88,75 @@ def fp4_quantize(
     only): each program walks its rows in column chunks of this width, the NVFP4 global scale
     from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
     the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("split" or "sum",
-    the same bytes; `quantize_capture_pallas`).
+    the same bytes; `quantize_capture_pallas`). `interpret`: Pallas interpret mode (default: off
+    the GPU).
     """
+    out, _ = fp4_quantize_with_implementation(
+        x,
+        fmt,
+        guidance=guidance,
+        implementation=implementation,
+        block_r=block_r,
+        block_n=block_n,
+        num_warps=num_warps,
+        loop_n=loop_n,
+        pack=pack,
+        interpret=interpret,
+    )
+    return out
+
+
+def fp4_quantize_with_implementation(
+    x: jax.Array,
+    fmt: str | BlockFormat,
+    *,
+    guidance: Guidance | None = None,
+    implementation: ImplementationLike = None,
+    block_r: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    loop_n: int | None = None,
+    pack: str = DEFAULT_PACK,
+    interpret: bool | None = None,
+) -> tuple[QuantizedCapture, Implementation]:
+    """`fp4_quantize` (same arguments) that also returns the implementation that ran."""
     fmt = fp4.get_format(fmt)
     x = jnp.asarray(x)
     _check(x, fmt, guidance)
-    run, interpret = common.resolve_backend(backend, interpret)
-    n = x.shape[-1]
-    if run is common.Backend.XLA or not _is_pow2(n):
-        _last_backend[0] = "xla"
-        return quantize_capture_reference(x, fmt, guidance=guidance)
-    _last_backend[0] = "pallas"
+    order = common.implementation_order(implementation)
+    launch = dict(
+        block_r=block_r,
+        block_n=block_n,
+        num_warps=num_warps,
+        loop_n=loop_n,
+        pack=pack,
+        interpret=common.interpret_mode(interpret),
+    )
+    runners = {
+        Implementation.PALLAS: lambda: _quantize_pallas(x, fmt, guidance, **launch),
+        Implementation.XLA: lambda: quantize_capture_reference(x, fmt, guidance=guidance),
+    }
+    return common.run_first(order, runners)
 
+
+def _quantize_pallas(
+    x: jax.Array,
+    fmt: BlockFormat,
+    guidance: Guidance | None,
+    *,
+    block_r: int | None,
+    block_n: int | None,
+    num_warps: int,
+    loop_n: int | None,
+    pack: str,
+    interpret: bool,
+) -> QuantizedCapture:
+    """The Pallas implementation of `fp4_quantize` (launch arguments as there)."""
+    n = x.shape[-1]
+    if not _is_pow2(n):
+        raise NotImplementedError(
+            f"the Pallas quantize kernel tiles rows of a power-of-two width; got N={n}"
+        )
     if loop_n is not None:
         if block_n is not None and block_n < n:
             raise ValueError("loop_n walks whole rows: give it without block_n")
@@ -174,4 +232,10 @@ def fp4_quantize(
     )
 
 
-__all__ = ["GuidanceMode", "QuantizedCapture", "fp4_quantize", "last_backend"]
+__all__ = [
+    "GuidanceMode",
+    "Implementation",
+    "QuantizedCapture",
+    "fp4_quantize",
+    "fp4_quantize_with_implementation",
+]

@@ -58,7 +58,8 @@ def _pack_by_split(values: jax.Array, per_byte: int) -> jax.Array:
 
 
 PACKINGS = {"sum": _pack, "split": _pack_by_split}
-# Split packing ran 2-5% faster than the summed fields on the H200 (kernels_findings item 17).
+# Split packing ran 2-5% faster than the summed fields on the H200 (no reduction over a trailing
+# axis, which Triton may lower with layout conversions).
 DEFAULT_PACK = "split"
 
 
@@ -169,8 +170,7 @@ def quantize_capture_pallas(
       bodies with the same refs and keyword arguments to time the kernel's parts; `inline_asm`
       is True when compiled for the GPU, where the reciprocal needs `common.rcp_approx`).
     pack: how codes and compact bits are packed into bytes: "split" (pairs joined by halving,
-      the default) or "sum" (shifted fields summed over a trailing axis); the same bytes
-      (kernels_findings item 17).
+      the default) or "sum" (shifted fields summed over a trailing axis); the same bytes.
     Returns (packed codes [R, N/2], scale bits [R, NB], compact bits [R, N/8], global [R, 1]);
     with column tiles the global scale is not an output (it is `s_g`, or the guidance's).
     """

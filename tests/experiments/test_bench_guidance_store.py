@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from configs import bench_guidance_store as config_module
 from experiments import bench_guidance_store as bench
 from tests import tiny
 
@@ -25,14 +26,19 @@ def test_guidance_has_the_sites_and_shapes_of_the_method():
     assert len(full) == 4 * cfg.n_layers and full["0/v"].payload.shape[-1] == cfg.head_dim // 2
 
 
+def tiny_config(**overrides):
+    config = config_module.get_config()
+    config.model.preset, config.rows, config.tokens, config.steps = "tiny", 4, 6, 1
+    config.update(overrides)
+    return config
+
+
 def test_quick_run_writes_rows(tmp_path):
-    rows = bench.run(preset="tiny", method="trace", fmt="nvfp4", rows=4, tokens=6,
-                     mini_batches=2, steps=1, outdir=str(tmp_path), name="gs")  # fmt: skip
+    rows = bench.run(tiny_config(), outdir=str(tmp_path), name="gs")
     assert [r["durable"] for r in rows] == [True, False]
     for r in rows:
         assert r["round_trip_s"] == pytest.approx(r["write_s"] + r["read_s"])
         assert r["MB_per_step"] > 0 and r["write_MBps"] > 0
     assert json.loads((tmp_path / "gs.json").read_text())["rows"] == json.loads(json.dumps(rows))
     with pytest.raises(ValueError, match="captures no guidance"):
-        bench.run(preset="tiny", method="fp4_qat", fmt="nvfp4", rows=4, tokens=6,
-                  mini_batches=2, steps=1, outdir=str(tmp_path), name="x")  # fmt: skip
+        bench.run(tiny_config(method="fp4_qat"), outdir=str(tmp_path), name="x")

@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from configs import decode_attention_ablation as config_module
 from experiments import decode_attention_ablation as abl
+from experiments import harness
 from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
-from trace_jax.models.packed_kv_cache import PackedTensorCache
+from trace_jax.fp4 import PackedTensorCache
 
 
 def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
@@ -33,7 +35,9 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
 
     monkeypatch.setitem(abl.BODIES, "scores", broken)
     monkeypatch.setattr(abl, "slot_major", corrupted)
-    rows, _ = abl.bench(quick=True, contexts=[200])  # 200: not a multiple of the block
+    config = config_module.get_config("smoke")
+    config.contexts = (200,)  # not a multiple of the block
+    rows, _ = abl.bench(config)
     by_variant = {r["variant"]: r for r in rows}
     inner = {f"fp4 {s}, slot-major cache" for s in abl.SLOT_MAJOR_STAGES}
     inner |= {"fp4 full, p.v transposed"}
@@ -84,8 +88,7 @@ def test_slot_major_copy_gives_the_same_attention(fmt):
     keys = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(keys[0], (b, hkv * g, dh), jnp.bfloat16)
     k, v = (2.0 * jax.random.normal(kk, (b, s, hkv, dh)) for kk in keys[1:])
-    kc = PackedTensorCache.empty(k.shape, fmt).write(k, jnp.broadcast_to(jnp.arange(s), (b, s)))
-    vc = PackedTensorCache.empty(v.shape, fmt).write(v, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    kc, vc = harness.packed_kv_cache(k, fmt), harness.packed_kv_cache(v, fmt)
     lengths = jnp.array([300, 129, 1], jnp.int32)
     config = K.BlockConfig(block_s=64, chunk=128, block_g=8)  # 3 splits
     run = functools.partial(abl.run_stage, stage="full", config=config, interpret=True)

@@ -7,14 +7,19 @@ import json
 import matplotlib.axes
 import pytest
 
+from configs import decode_throughput as config_module
 from experiments import decode_throughput
 
 
+def smoke_config(**overrides):
+    config = config_module.get_config("smoke")
+    config.lengths, config.variants = (4,), ("bf16", "fp4 xla")
+    config.update(overrides)
+    return config
+
+
 def test_quick_run_writes_rows(tmp_path):
-    rows = decode_throughput.run(
-        quick=True, lengths=[4], variants=["bf16", "fp4 xla"], outdir=str(tmp_path),
-        name="dt", batch=2, repeats=1,
-    )  # fmt: skip
+    rows = decode_throughput.run(smoke_config(), outdir=str(tmp_path), name="dt")
     assert [(r["output_length"], r["variant"]) for r in rows] == [(4, "bf16"), (4, "fp4 xla")]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(2 * r["output_length"] / r["seconds"])
@@ -22,7 +27,7 @@ def test_quick_run_writes_rows(tmp_path):
     assert [r["speedup_vs_bf16"] for r in rows if r["variant"] == "bf16"] == [1.0]
     saved = json.loads((tmp_path / "dt.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and "device" in saved["meta"]
-    assert "QUICK MODE" in (tmp_path / "dt.md").read_text()
+    assert "SMOKE RUN" in (tmp_path / "dt.md").read_text()
     assert (tmp_path / "dt.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -62,5 +67,4 @@ def test_plot_draws_the_latest_run_of_each_point(tmp_path, monkeypatch):
 
 def test_unknown_variant():
     with pytest.raises(ValueError, match="unknown variants"):
-        decode_throughput.run(quick=True, lengths=[4], variants=["fp8"], outdir="/tmp",
-                              name="x", batch=2, repeats=1)  # fmt: skip
+        decode_throughput.run(smoke_config(variants=("fp8",)), outdir="/tmp", name="x")

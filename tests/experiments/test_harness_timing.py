@@ -40,3 +40,14 @@ def test_paired_ratio_is_the_median_of_same_round_ratios():
     by_round = {"a": [2.0, 4.0, 9.0], "b": [1.0, 1.0, 3.0]}
     # same-round ratios 2, 4, 3 -> 3; the ratio of medians would be 4 / 1 = 4
     assert harness.paired_ratio(by_round, "a", "b") == 3.0
+
+
+def test_time_fn_smoke_runs_one_warm_up_and_one_timed_call():
+    log: list[str] = []
+    t = harness.time_fn(_recording("a", log), jnp.ones((4,)), smoke=True)
+    jax.effects_barrier()
+    assert t > 0 and log == ["a", "a"]
+    log.clear()
+    harness.time_fn(_recording("a", log), jnp.ones((4,)), inner=2, trials=3, warmup=1)
+    jax.effects_barrier()
+    assert len(log) == 1 + 2 * 3

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import platform_numerics as config_module
 from experiments import platform_numerics as pn
 from trace_jax.fp4 import scales
 
@@ -45,7 +46,9 @@ def test_gpu_xla_and_pallas_reciprocals_are_ieee():
 def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
     """On a CPU-only machine both sides are the CPU: every count is zero, for both formats and
     both tensor kinds, and the results are written."""
-    rows = pn.run(quick=True, outdir=str(tmp_path), name="p", sections=("reciprocal", "quantize"))
+    config = config_module.get_config("smoke")
+    config.sections = ("reciprocal", "quantize")
+    rows = pn.run(config, outdir=str(tmp_path), name="p")
     assert [r["check"] for r in rows] == ["reciprocal", *["quantize"] * 4]
     assert {(r["format"], r["tensor"].split()[0]) for r in rows[1:]} == {
         (f, k) for f in ("nvfp4", "mxfp4") for k in ("normal", "student_t3")
@@ -55,8 +58,9 @@ def test_quick_run_on_the_cpu_finds_no_difference(tmp_path):
     assert all(r["max_abs_dequantized_diff"] == 0.0 for r in rows[1:])
     data = json.loads((tmp_path / "p.json").read_text())
     assert len(data["rows"]) == 5
+    config.sections = ("division",)
     with pytest.raises(ValueError, match="unknown sections"):
-        pn.run(quick=True, outdir=str(tmp_path), name="p", sections=("division",))
+        pn.run(config, outdir=str(tmp_path), name="p")
 
 
 def test_one_ulp_in_the_reciprocal_changes_some_nvfp4_blocks():

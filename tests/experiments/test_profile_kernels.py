@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from configs import profile_kernels as config_module
 from experiments import profile_kernels
 
 
 def test_every_kernel_launches_and_matches_its_reference():
-    errors = profile_kernels.launch_all(quick=True)
+    config = config_module.get_config("smoke")
+    config.launches = 2
+    errors = profile_kernels.launch_all(config)
     assert set(errors) == {
         "fp4_decode_attn",
         "bf16_decode_attn",

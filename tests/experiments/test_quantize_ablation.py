@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import quantize_ablation as config_module
 from experiments import quantize_ablation as abl
 from kernels_pallas.fp4_quantize import api
 from trace_jax import fp4
@@ -25,13 +26,13 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
         raise RuntimeError("simulated lowering failure")
 
     monkeypatch.setitem(abl.BODIES, "scales", broken)
-    rows = abl.bench(quick=True)
+    rows = abl.bench(config_module.get_config("smoke"))
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {
         "copy of x",
         *(f"{f.name} {s}" for f in FORMATS for s in abl.STAGES),
         *(f"{f.name} full, sum packing" for f in FORMATS),
-        "mxfp4 API (whole rows)",  # quick rows (256) are not wider than a column tile
+        "mxfp4 API (whole rows)",  # smoke rows (256) are not wider than a column tile
         "nvfp4 API (whole rows)",
     }
     for f in FORMATS:
@@ -46,7 +47,7 @@ def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_stages_do_the_work_they_are_named_for(fmt):
     x = (3.0 * jax.random.normal(jax.random.key(4), (8, 256))).astype(jnp.bfloat16)
-    want = api.fp4_quantize(x, fmt, backend="xla")
+    want = api.fp4_quantize(x, fmt, implementation="xla")
     s_g = scales.global_scale(x.astype(jnp.float32), fmt, (1,)) if fmt.has_global_scale else None
     run = functools.partial(abl.run_stage, fmt=fmt, block_r=2, block_n=128, interpret=True)
     want_bits = np.asarray(scales.to_bits(want.scales))

@@ -1,61 +1,137 @@
-"""The quickstart chains SFT -> RL -> evaluation and reports the scores the stages measured."""
+"""The quickstart: SFT once, RL per method from it, and a table of what the stages measured."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from configs import quickstart as quickstart_config
 from experiments import quickstart
-from tests import tiny
+from trace_jax.quant import SiteMode
+from trace_jax.rl import loop as rl_loop
+from trace_jax.rl import sft as rl_sft
+from trace_jax.rl.metrics_log import read_rows
+
+METHODS = ("fp4_qat", "trace")
 
 
-def _cfg():
-    cfg = tiny.experiment_config()
-    cfg.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
-    cfg.eval.update(splits=("level1", "aime24"), problems_per_split=3, max_new_tokens=8)
-    cfg.rl.update(
-        steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=2,
-        checkpoint_every=1, mismatch_every=0,  # mismatch metrics: test_rl_main (CI time)
-    )  # fmt: skip
-    return cfg
+def _rows(rewards, gaps, mismatch_at=()):
+    return [
+        {"step": s, "reward": r, "train_rollout_gap_mean": g}
+        | ({"code_mismatch": 0.1 * (s + 1)} if s in mismatch_at else {})
+        for s, (r, g) in enumerate(zip(rewards, gaps, strict=True))
+    ]
 
 
-def test_quickstart_end_to_end(tmp_path, monkeypatch):
-    cfg = _cfg()
-    # Distinct scores per stage and split (a tiny model scores 0 everywhere, which would let a
-    # table that mixes up its columns pass): the table must carry each stage's own numbers.
-    from experiments import main as rl_main
-    from experiments import sft
+def test_method_summary_means_of_the_first_and_last_steps_and_of_the_measured_steps():
+    rows = _rows([0.0, 0.2, 0.4, 0.5, 0.9], [0.01, 0.02, 0.03, 0.04, 0.05], mismatch_at=(0, 3))
+    got = quickstart.method_summary(rows, 2)
+    assert got == pytest.approx(
+        {"reward_first": 0.1, "reward_last": 0.7, "gap": 0.03, "code_mismatch": 0.25}
+    )
+    assert "code_mismatch" not in quickstart.method_summary(_rows([1.0], [0.0]), 1)
+    with pytest.raises(ValueError, match=r"smooth_steps=6 must be in \[1, 5 rows\]"):
+        quickstart.method_summary(rows, 6)
 
-    def fake_scores(offset):
-        def score(model, problems, key, **kw):
-            return offset + 0.01 * len(problems[0].prompt) + (0.001 if kw["mode"] != "off" else 0)
 
-        return score
+def test_moving_average_over_the_steps_so_far():
+    values = [3.0, 1.0, 4.0, 1.0, 5.0]
+    want = [np.mean(values[max(0, i - 2) : i + 1]) for i in range(len(values))]
+    np.testing.assert_allclose(quickstart.moving_average(values, 3), want)
 
-    monkeypatch.setattr(sft, "evaluate_pass_at_1", fake_scores(0.1))
-    monkeypatch.setattr(rl_main, "evaluate_pass_at_1", fake_scores(0.5))
-    rows = quickstart.run(cfg, str(tmp_path))
-    assert [r["split"] for r in rows] == ["level1", "aime24"]
-    data = json.loads((tmp_path / "quickstart.json").read_text())
-    rl_eval = json.loads((tmp_path / "rl" / "rl_eval.jsonl").read_text().splitlines()[-1])
-    sft_eval = json.loads((tmp_path / "sft" / "sft_eval.json").read_text())["rows"]
-    after = "after 2 RL steps (trace, nvfp4)"
-    for row, s in zip(data["rows"], sft_eval, strict=True):
-        assert row[after] == rl_eval[row["split"]]  # the numbers the stages measured
-        assert row["SFT pass@1 (bf16)"] == s["pass@1_bf16"]
-        assert row["SFT pass@1 (NVFP4)"] == s["pass@1_nvfp4"] == s["pass@1_bf16"] + 0.001
-        assert 0.5 < row[after] < 1.0 and 0.1 < row["SFT pass@1 (bf16)"] < 0.5
-    assert [h["step"] for h in data["rl_history"]] == [0, 1]
-    assert (tmp_path / "quickstart.png").stat().st_size > 0
-    # A rerun reuses the SFT stage and the finished RL run.
-    again = quickstart.run(cfg, str(tmp_path))
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rl.eval_every", 3, r"rl\.steps=2 must be a multiple of rl\.eval_every=3"),
+        ("rl.format", "mxfp4_w4a4", r"rl\.format must be 'nvfp4'"),
+        ("quickstart.smooth_steps", 3, r"smooth_steps=3 must be in \[1, rl\.steps\]"),
+        ("quickstart.methods", ("trace", "trace"), "must be distinct"),
+    ],
+)
+def test_settings_that_cannot_give_the_table_are_refused_before_any_work(
+    tmp_path, field, value, message
+):
+    cd = quickstart_config.get_config("smoke")
+    section, name = field.split(".")
+    cd[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        quickstart.run(cd, str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One smoke run of both methods (the 2-block model), with evaluation scores that tell the
+    stages and executions apart (a model this small scores 0 everywhere, which would let a table
+    that mixes up its columns pass)."""
+    workdir = tmp_path_factory.mktemp("quickstart")
+    rl_calls = []
+
+    def sft_scores(model, config, keys, *, qcfg=None, mode=SiteMode.OFF):
+        fp4 = 0.001 * (mode is SiteMode.RTN)
+        return {s: 0.1 + 0.01 * i + fp4 for i, s in enumerate(config.splits)}
+
+    def rl_scores(model, config, keys, *, qcfg=None, mode=SiteMode.OFF):
+        rl_calls.append(mode)
+        return {s: 0.5 + 0.1 * len(rl_calls) + 0.01 * i for i, s in enumerate(config.splits)}
+
+    cd = quickstart_config.get_config("smoke")
+    cd.eval.splits = ("level1", "aime24")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl_sft, "pass_at_1_by_split", sft_scores)
+        mp.setattr(rl_loop, "pass_at_1_by_split", rl_scores)
+        rows = quickstart.run(cd, str(workdir))
+    assert rl_calls == [SiteMode.RTN, SiteMode.RTN]  # each method's final policy, in FP4
+    return cd, workdir, rows
+
+
+def test_the_table_holds_what_each_stage_measured(finished):
+    _, workdir, rows = finished
+    assert [r["method"] for r in rows] == list(METHODS)
+    sft_rows = json.loads((workdir / "sft" / "sft_eval.json").read_text())["rows"]
+    sft_eval = {r["split"]: r for r in sft_rows}
+    for row in rows:
+        rl_dir = workdir / f"rl_{row['method']}"
+        metrics = read_rows(str(rl_dir / "rl_metrics.jsonl"))
+        assert [m["step"] for m in metrics] == [0, 1]
+        assert row["reward, first 1 steps"] == metrics[0]["reward"]
+        assert row["reward, last 1 steps"] == metrics[1]["reward"]
+        gaps = [m["train_rollout_gap_mean"] for m in metrics]
+        assert row["train-rollout gap"] == pytest.approx(np.mean(gaps))
+        assert "code_mismatch" not in metrics[1]  # measured every 2nd step: step 0 only
+        assert row["code mismatch"] == metrics[0]["code_mismatch"]
+        final = read_rows(str(rl_dir / "rl_eval.jsonl"))[-1]
+        for split in ("level1", "aime24"):
+            # FP4 rollouts: the SFT policy's NVFP4 score, not its bf16 one.
+            assert row[f"{split} pass@1 after SFT"] == sft_eval[split]["pass@1_nvfp4"]
+            assert sft_eval[split]["pass@1_nvfp4"] != sft_eval[split]["pass@1_bf16"]
+            assert row[f"{split} pass@1 after RL"] == final[split]
+    assert rows[0]["level1 pass@1 after RL"] != rows[1]["level1 pass@1 after RL"]
+
+
+def test_the_artifacts_carry_the_table_and_the_curves(finished):
+    _, workdir, rows = finished
+    saved = json.loads((workdir / "quickstart.json").read_text())
+    assert saved["rows"] == rows
+    assert sorted(saved["seconds"]) == ["rl_fp4_qat", "rl_trace", "sft", "total"]
+    for method in METHODS:
+        metrics = read_rows(str(workdir / f"rl_{method}" / "rl_metrics.jsonl"))
+        curve = saved["curves"][method]
+        assert [c["step"] for c in curve] == [0, 1]
+        assert [c["reward"] for c in curve] == [m["reward"] for m in metrics]
+        assert curve[0]["code_mismatch"] == metrics[0]["code_mismatch"]
+    md = (workdir / "quickstart.md").read_text()
+    assert "| method |" in md and "| trace |" in md and "| fp4_qat |" in md
+    assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rerun_reuses_every_finished_stage(finished):
+    cd, workdir, rows = finished
+    metrics_before = (workdir / "rl_trace" / "rl_metrics.jsonl").read_text()
+    again = quickstart.run(cd, str(workdir))  # no monkeypatch: any new evaluation would differ
     assert again == rows
-
-
-def test_final_policy_must_be_evaluated(tmp_path):
-    cfg = _cfg()
-    cfg.rl.eval_every = 3
-    with pytest.raises(ValueError, match=r"multiple of rl\.eval_every"):
-        quickstart.run(cfg, str(tmp_path))
+    assert (workdir / "rl_trace" / "rl_metrics.jsonl").read_text() == metrics_before
+    assert json.loads((workdir / "quickstart.json").read_text())["seconds"]["sft"] == 0.0

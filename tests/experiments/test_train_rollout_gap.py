@@ -1,40 +1,30 @@
-"""The train-rollout gap entry point runs end to end on a minimal problem."""
+"""The train-rollout gap entry point writes its table, per-site rows and plot."""
 
 from __future__ import annotations
 
 import json
 
-from experiments import train_rollout_gap
-from tests import tiny
+from configs import train_rollout_gap
+from experiments.train_rollout_gap import write
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.tables.gap import GapConfig, GapResult
 
 
-def test_train_rollout_gap_smoke(tmp_path):
-    train_rollout_gap.run(
-        n_layers=tiny.N_LAYERS, batch=2, prompt_len=4, max_new=4, outdir=str(tmp_path), name="gap"
-    )
-    data = json.loads((tmp_path / "gap.json").read_text())
-    rows = data["rows"]
-    assert [r["mode"] for r in rows] == ["off (bf16 pair)"] + [
-        m for m in ("rtn", "guided full", "guided compact") for _ in (0, 1)
-    ]
-    keys = (
-        "mode",
-        "replay",
-        "logp_gap_mean",
-        "logp_gap_max",
-        "kl",
-        "code_mismatch",
-        "one_apart_fraction",
-        "router_agreement",
-        "guidance_bytes_per_token",
-    )
-    for r in rows:
-        assert all(k in r for k in keys)
-    by = {(r["mode"], r["replay"]): r for r in rows}
-    assert by[("guided full", True)]["code_mismatch"] <= by[("rtn", True)]["code_mismatch"]
-    assert (
-        0
-        < by[("guided compact", True)]["guidance_bytes_per_token"]
-        < by[("guided full", True)]["guidance_bytes_per_token"]
-    )
-    assert data["per_site"] and (tmp_path / "gap.png").stat().st_size > 0
+def test_written_results(tmp_path):
+    config = ExperimentConfig.from_config_dict(train_rollout_gap.get_config())
+    rows = [
+        {"mode": m, "replay": r, "logp_gap_mean": 0.1, "code_mismatch": 0.01}
+        for m in ("rtn", "guided full") for r in (False, True)
+    ]  # fmt: skip
+    per_site = [
+        {"mode": m, "replay": True, "layer": i, "site": "expert_in", "code_mismatch": 0.01 * i}
+        for m in ("rtn", "guided full") for i in range(4)
+    ]  # fmt: skip
+    result = GapResult(rows=rows, per_site=per_site, guided_layers=(2, 3), policy="random init")
+    paths = write(config, GapConfig(), result, outdir=str(tmp_path), name="gap")
+    saved = json.loads((tmp_path / "gap.json").read_text())
+    assert saved["rows"] == rows and saved["per_site"] == per_site
+    md = (tmp_path / "gap.md").read_text()
+    assert paths["md"] == str(tmp_path / "gap.md") and "guided layers [2, 3] of 4" in md
+    assert "| guided full | True | 0.1 |" in md and "random init, recipe `nvfp4`" in md
+    assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"

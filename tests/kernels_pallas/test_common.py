@@ -76,3 +76,35 @@ def test_split_block_scales_multiply_back_to_the_block_scale(fmt_name):
         np.testing.assert_array_equal(got[0, 0], want[0, 0])
         got, want = got[1:], want[1:]
     np.testing.assert_array_equal(got, want)
+
+
+def test_implementation_order(monkeypatch):
+    """None: Pallas then XLA on a GPU, XLA alone elsewhere; a name alone; a sequence in order."""
+    impl = common.Implementation
+    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    assert common.implementation_order(None) == (impl.XLA,)
+    assert common.interpret_mode(None) and not common.interpret_mode(False)
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    assert common.implementation_order(None) == (impl.PALLAS, impl.XLA)
+    assert not common.interpret_mode(None)
+    assert common.implementation_order("pallas") == (impl.PALLAS,)
+    assert common.implementation_order(["xla", impl.PALLAS]) == (impl.XLA, impl.PALLAS)
+    with pytest.raises(ValueError, match="got 'auto'"):
+        common.implementation_order("auto")
+    with pytest.raises(ValueError, match="empty"):
+        common.implementation_order([])
+
+
+def test_run_first_falls_back_on_not_implemented_only():
+    def refuse():
+        raise NotImplementedError("no kernel for this shape")
+
+    def fail():
+        raise ValueError("bad argument")
+
+    assert common.run_first(["a", "b"], {"a": refuse, "b": lambda: 7}) == (7, "b")
+    assert common.run_first(["b", "a"], {"a": refuse, "b": lambda: 7}) == (7, "b")
+    with pytest.raises(NotImplementedError, match="no kernel"):
+        common.run_first(["a"], {"a": refuse})
+    with pytest.raises(ValueError, match="bad argument"):  # only NotImplementedError moves on
+        common.run_first(["a", "b"], {"a": fail, "b": lambda: 7})

@@ -1,10 +1,12 @@
-"""Decode attention over a packed FP4 / bf16 KV cache: every backend against the float32 reference.
+"""Decode attention over a packed FP4 / bf16 KV cache: every implementation against the float32
+reference.
 
-One test base runs the shared cases through the api with a given backend; each backend is a short
-subclass. Pallas runs in interpret mode off the GPU (natively on one). Tolerances, outputs in
-float32 against the reference:
-  float32 q: rtol 1e-5, atol 2e-6 (float32 dots and exp; observed max |error| < 1e-6);
-  bf16 q:    rtol 1e-2, atol 1e-2 (bf16 probabilities in the P @ V dot, bf16 output: ~2 ulps).
+One test base runs the shared cases through the api with a given implementation; each
+implementation is a short subclass. Pallas runs in interpret mode off the GPU (natively on one).
+Tolerance, per output element against the reference: twice `rounding.attention_error_bound`
+(float32 dots and sums of n terms within n u of their sums of magnitudes, carried through the
+softmax), plus for a bf16 query the probabilities' bf16 rounding in the p . v dot (2**-8 of
+sum_j P_j |v_j|) and both outputs' bf16 rounding (2**-8 of each).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import common
-from kernels_pallas.common import Backend
+from kernels_pallas.common import Implementation
 from kernels_pallas.fp4_decode_attention import (
     DEFAULT_BLOCK_S,
     FP4_DEFAULT_BLOCK_S,
@@ -38,13 +40,18 @@ from kernels_pallas.fp4_decode_attention import (
     kernel,
 )
 from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_planes, decode_fp4_planes_f16
+from tests.kernels_pallas.rounding import (
+    U32,
+    U_BF16,
+    assert_within,
+    attention_error_bound,
+    pv_magnitude,
+)
 from trace_jax import fp4
-from trace_jax.models.packed_kv_cache import PackedTensorCache
+from trace_jax.fp4 import PackedTensorCache
 
-TOL_F32 = dict(rtol=1e-5, atol=2e-6)
-TOL_BF16 = dict(rtol=1e-2, atol=1e-2)
 FORMATS = [fp4.NVFP4, fp4.MXFP4]
-# The references, jitted as the api's "xla" backend runs them (one compile per shape).
+# The references, jitted as the api's "xla" implementation runs them (one compile per shape).
 _fp4_ref = jax.jit(fp4_decode_attention_reference)
 _bf16_ref = jax.jit(bf16_decode_attention_reference)
 
@@ -93,7 +100,7 @@ def _packed(x: jax.Array, fmt) -> PackedTensorCache:
     """x [B, S, Hkv, Dh] written to every slot of a packed cache (jitted: one compile per shape)."""
     b, s = x.shape[:2]
     slots = jnp.broadcast_to(jnp.arange(s), (b, s))
-    return PackedTensorCache.empty(x.shape, fmt).write(x, slots)
+    return PackedTensorCache.empty(x.shape, fmt).write(fp4.quantize(x, fmt), slots)
 
 
 def _stale_nan(cache: PackedTensorCache, lengths: jax.Array) -> PackedTensorCache:
@@ -109,16 +116,35 @@ def _stale_nan(cache: PackedTensorCache, lengths: jax.Array) -> PackedTensorCach
     return dataclasses.replace(cache, scales=scales, global_scale=g)
 
 
-def _close(out, ref, q_dtype):
-    assert out.dtype == q_dtype
-    tol = TOL_F32 if q_dtype == jnp.float32 else TOL_BF16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+def _bound(q, k, v, lengths) -> np.ndarray:
+    """The bound [B, H, Dh] on |out - reference| for either output (module docstring); k, v
+    [B, S, Hkv, Dh] as the reference reads them (a packed cache is read in float32)."""
+    k, v = (c.read(jnp.float32) if isinstance(c, PackedTensorCache) else c for c in (k, v))
+    # Probabilities are rescaled once per block of at least 16 slots and once by the combine.
+    steps = -(-k.shape[1] // 16) + 1
+    _, one = attention_error_bound(q, k, v, lengths, steps=steps)
+    if q.dtype != jnp.bfloat16:
+        return 2 * one
+    # The kernel's bf16 (or float16) probabilities in the p . v dot: 2**-8 of each term (float16
+    # subnormals below 2**-14 lose at most 2**-25 each, far less than this bound).
+    return 2 * one + U_BF16 * pv_magnitude(q, k, v, lengths)
+
+
+def _close(out, ref, q, k, v, lengths):
+    """out against the reference's ref, both in q.dtype, within `_bound` (plus bf16 outputs'
+    own roundings)."""
+    assert out.dtype == ref.dtype == q.dtype
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    bound = _bound(q, k, v, lengths)
+    if q.dtype == jnp.bfloat16:
+        bound = bound + U_BF16 * (np.abs(out) + np.abs(ref))
+    assert_within(out, ref, bound)
 
 
 class DecodeAttentionTestBase:
-    """Shared cases; subclasses set `backend`."""
+    """Shared cases; subclasses set `implementation`."""
 
-    backend: str
+    implementation: str
     decode: str | None = None
 
     def fp4_op(self, q, k_cache, v_cache, lengths, case: Case):
@@ -127,7 +153,7 @@ class DecodeAttentionTestBase:
             k_cache,
             v_cache,
             lengths,
-            backend=self.backend,
+            implementation=self.implementation,
             k_splits=case.k_splits,
             block_s=case.block_s,
             decode=self.decode,
@@ -135,7 +161,13 @@ class DecodeAttentionTestBase:
 
     def bf16_op(self, q, k, v, lengths, case: Case):
         return bf16_decode_attention(
-            q, k, v, lengths, backend=self.backend, k_splits=case.k_splits, block_s=case.block_s
+            q,
+            k,
+            v,
+            lengths,
+            implementation=self.implementation,
+            k_splits=case.k_splits,
+            block_s=case.block_s,
         )
 
     @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -144,7 +176,7 @@ class DecodeAttentionTestBase:
         q, k, v, lengths = _inputs(case, jnp.float32)
         kc, vc = _packed(k, fmt), _packed(v, fmt)
         out = self.fp4_op(q, kc, vc, lengths, case)
-        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.float32)
+        _close(out, _fp4_ref(q, kc, vc, lengths), q, kc, vc, lengths)
 
     @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
     def test_fp4_bf16_query(self, fmt):
@@ -152,7 +184,7 @@ class DecodeAttentionTestBase:
         q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=1)
         kc, vc = _packed(k, fmt), _packed(v, fmt)
         out = self.fp4_op(q, kc, vc, lengths, case)
-        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.bfloat16)
+        _close(out, _fp4_ref(q, kc, vc, lengths), q, kc, vc, lengths)
 
     @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
     def test_fp4_stale_slots_are_never_read(self, fmt):
@@ -162,7 +194,7 @@ class DecodeAttentionTestBase:
         kc, vc = _packed(k, fmt), _packed(v, fmt)
         out = self.fp4_op(q, _stale_nan(kc, lengths), _stale_nan(vc, lengths), lengths, case)
         assert np.isfinite(np.asarray(out)).all()
-        _close(out, _fp4_ref(q, kc, vc, lengths), jnp.float32)
+        _close(out, _fp4_ref(q, kc, vc, lengths), q, kc, vc, lengths)
 
     def test_zero_length_gives_nan(self):
         """A sequence with no valid slot is NaN (never a silent zero); the others are unaffected."""
@@ -172,7 +204,8 @@ class DecodeAttentionTestBase:
         lengths = jnp.asarray([0, 1, 77], jnp.int32)
         out = self.fp4_op(q, kc, vc, lengths, case)
         assert np.isnan(np.asarray(out[0])).all()
-        _close(out[1:], _fp4_ref(q, kc, vc, lengths)[1:], jnp.float32)
+        _close(out[1:], _fp4_ref(q, kc, vc, lengths)[1:], q[1:], kc.read(jnp.float32)[1:],
+               vc.read(jnp.float32)[1:], lengths[1:])  # fmt: skip
 
     @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32_q", "bf16_q"])
     def test_bf16_cache_matches_reference(self, q_dtype):
@@ -182,23 +215,23 @@ class DecodeAttentionTestBase:
         stale = jnp.arange(case.slots)[None, :, None, None] >= lengths[:, None, None, None]
         k, v = (jnp.where(stale, jnp.nan, x).astype(jnp.bfloat16) for x in (k, v))
         out = self.bf16_op(q, k, v, lengths, case)
-        _close(out, _bf16_ref(q, k, v, lengths), q_dtype)
+        _close(out, _bf16_ref(q, k, v, lengths), q, k, v, lengths)
 
 
 class TestPallas(DecodeAttentionTestBase):
-    backend = "pallas"
+    implementation = "pallas"
     decode = "e4m3"
 
 
 class TestPallasF16Decode(DecodeAttentionTestBase):
     """The float16 word-decode kernel (its jnp twin of the PTX in interpret mode)."""
 
-    backend = "pallas"
+    implementation = "pallas"
     decode = "f16"
 
 
 class TestXla(DecodeAttentionTestBase):
-    backend = "xla"
+    implementation = "xla"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -206,10 +239,12 @@ class TestXla(DecodeAttentionTestBase):
 
 
 def test_reference_matches_per_head_loop():
-    """GQA mapping (head h reads kv head h // G), scale Dh**-0.5 and the length mask, in float64."""
+    """GQA mapping (head h reads kv head h // G), scale Dh**-0.5 and the length mask, in float64:
+    the float32 reference within its own rounding bound of a per-head loop."""
     case = CASES["gqa4_default_splits"]
     q, k, v, lengths = _inputs(case, jnp.float32, seed=4)
     out = np.asarray(decode_attention_reference(q, k, v, lengths), np.float64)
+    _, bound = attention_error_bound(q, k, v, lengths, steps=1)  # one softmax, no rescales
     qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
     for b in range(case.batch):
         n = int(lengths[b])
@@ -218,7 +253,7 @@ def test_reference_matches_per_head_loop():
             scores = kn[b, :n, kh] @ qn[b, h] / np.sqrt(case.head_dim)
             p = np.exp(scores - scores.max())
             expected = (p / p.sum()) @ vn[b, :n, kh]
-            np.testing.assert_allclose(out[b, h], expected, rtol=1e-5, atol=1e-6)
+            assert_within(out[b, h], expected, bound[b, h])
 
 
 def _three_split_case(fmt, q_dtype, seed: int):
@@ -226,7 +261,9 @@ def _three_split_case(fmt, q_dtype, seed: int):
     (the default plan, the kernel, its arguments)."""
     case = CASES["ragged_three_splits"]
     q, k, v, lengths = _inputs(case, q_dtype, seed=seed)
-    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
+    tiling = dict(
+        implementation="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True
+    )
     if fmt is None:
         k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
         plan = bf16_decode_attention_plan(q, k, v, lengths, **tiling)
@@ -246,14 +283,22 @@ def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
     float32 rounding (several splits, ragged lengths), and the reference's."""
     plan, op, args = _three_split_case(fmt, q_dtype, seed=12)
     assert not plan.config.pv_transposed
-    want = np.asarray(op(*args, config=plan.config, interpret=True), np.float32)
+    want = np.asarray(op(*args, config=plan.config, interpret=True), np.float64)
     transposed = dataclasses.replace(plan.config, pv_transposed=True)
-    got = op(*args, config=transposed, interpret=True)
-    assert got.dtype == q_dtype and np.isfinite(want).all() and np.abs(want).max() > 0.1
-    ulp = 2.0**-7 if q_dtype == jnp.bfloat16 else 1e-6  # the output dtype's rounding
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=ulp, atol=ulp * 1e-2)
+    out = op(*args, config=transposed, interpret=True)
+    assert out.dtype == q_dtype and np.isfinite(want).all() and np.abs(want).max() > 0.1
+    # The same probabilities and values, summed in another order per block of block_s slots:
+    # each order within (block_s + 2) u sum_j P_j |v_j| (the dot, its scale, the rescale) of
+    # exact, plus both outputs' rounding to bf16.
+    got = np.asarray(out, np.float64)
+    q, k, v, lengths = args
+    k, v = (c.read(jnp.float32) if isinstance(c, PackedTensorCache) else c for c in (k, v))
+    bound = 2 * (plan.config.block_s + 2) * U32 * pv_magnitude(q, k, v, lengths)
+    if q_dtype == jnp.bfloat16:
+        bound = bound + U_BF16 * (np.abs(got) + np.abs(want))
+    assert_within(got, want, bound)
     ref = _fp4_ref(*args) if fmt is not None else _bf16_ref(*args)
-    _close(got, ref, q_dtype)
+    _close(out, ref, *args)
 
 
 def test_api_passes_pv_transposed_to_the_kernel():
@@ -261,7 +306,9 @@ def test_api_passes_pv_transposed_to_the_kernel():
     the kernel's under the transposed config, bit for bit; None keeps the plan's default."""
     plan, op, args = _three_split_case(fp4.NVFP4, jnp.bfloat16, seed=13)
     case = CASES["ragged_three_splits"]
-    tiling = dict(backend="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True)
+    tiling = dict(
+        implementation="pallas", k_splits=case.k_splits, block_s=case.block_s, interpret=True
+    )
     for flag in (True, False):
         got_plan = fp4_decode_attention_plan(*args, pv_transposed=flag, **tiling)
         assert got_plan.config == dataclasses.replace(plan.config, pv_transposed=flag)
@@ -276,19 +323,21 @@ def test_api_passes_pv_transposed_to_the_kernel():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_pv_transposed_is_the_default_from_head_dim_128(head_dim):
     """The FP4 plan transposes p . v from head_dim 128 on with the "f16" decode (faster there on
-    the H200, much slower at 64 or with "e4m3": kernels_findings item 22); the bf16 twin keeps
+    the H200, much slower at 64 or with "e4m3"); the bf16 twin keeps
     the untransposed order."""
     b, s, hkv, g = 2, 40, 2, 4
     q = jnp.zeros((b, hkv * g, head_dim), jnp.bfloat16)
     cache = PackedTensorCache.empty((b, s, hkv, head_dim), fp4.NVFP4)
     lengths = jnp.full((b,), s, jnp.int32)
-    plan = fp4_decode_attention_plan(q, cache, cache, lengths, backend="pallas", interpret=True)
+    plan = fp4_decode_attention_plan(
+        q, cache, cache, lengths, implementation="pallas", interpret=True
+    )
     assert FP4_PV_TRANSPOSED_MIN_HEAD_DIM == 128
     assert plan.config.pv_transposed == (head_dim >= 128)
     e4m3 = fp4_decode_attention_plan(q, cache, cache, lengths, decode="e4m3", interpret=True)
     assert not e4m3.config.pv_transposed  # slower with the FP8 decode
     kv = jnp.zeros((b, s, hkv, head_dim), jnp.bfloat16)
-    twin = bf16_decode_attention_plan(q, kv, kv, lengths, backend="pallas", interpret=True)
+    twin = bf16_decode_attention_plan(q, kv, kv, lengths, implementation="pallas", interpret=True)
     assert not twin.config.pv_transposed
 
 
@@ -331,31 +380,27 @@ def test_kernel_f16_decode_equals_cache_read(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_xla_backend_is_the_reference_exactly(fmt):
+def test_xla_implementation_is_the_reference_exactly(fmt):
     case = CASES["ragged_three_splits"]
     q, k, v, lengths = _inputs(case, jnp.bfloat16, seed=6)
     kc, vc = _packed(k, fmt), _packed(v, fmt)
-    out = fp4_decode_attention(q, kc, vc, lengths, backend="xla")
+    out = fp4_decode_attention(q, kc, vc, lengths, implementation="xla")
     np.testing.assert_array_equal(out, _fp4_ref(q, kc, vc, lengths))
     kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-    out = bf16_decode_attention(q, kb, vb, lengths, backend="xla")
+    out = bf16_decode_attention(q, kb, vb, lengths, implementation="xla")
     np.testing.assert_array_equal(out, _bf16_ref(q, kb, vb, lengths))
-    # Also equal to the eager reference to float32 rounding (XLA may fuse differently under jit).
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32),
-        np.asarray(bf16_decode_attention_reference(q, kb, vb, lengths), np.float32),
-        rtol=1e-2,
-    )
+    # Also equal to the eager reference to rounding (XLA may fuse differently under jit).
+    _close(out, bf16_decode_attention_reference(q, kb, vb, lengths), q, kb, vb, lengths)
 
 
-def test_plan_defaults_and_backend_choice(monkeypatch):
+def test_plan_defaults_and_implementation_choice(monkeypatch):
     case = CASES["ragged_three_splits"]
     q, k, v, lengths = _inputs(case, jnp.bfloat16)
     kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
 
     monkeypatch.setattr(common, "on_gpu", lambda: False)  # as on the CPU, also when run on a GPU
-    plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: auto runs the reference
-    assert plan.backend is Backend.XLA and plan.fallback is None
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: the default is the reference
+    assert plan.implementation is Implementation.XLA and plan.fallback is None
     assert plan.config.block_s == FP4_DEFAULT_BLOCK_S and plan.config.block_g == 16
     assert plan.config.num_stages == 2  # a short cache: BlockConfig's default
     assert fp4_decode_attention_plan(q, kc, vc, lengths, num_stages=4).config.num_stages == 4
@@ -373,8 +418,10 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
     assert default_k_splits(8, 8, 32768, 64) == 5  # long context: ~2 programs per SM
     twin = bf16_decode_attention_plan(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
     assert (twin.config.block_s, twin.k_splits, twin.config.num_stages) == (DEFAULT_BLOCK_S, 3, 2)
-    plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=4, block_s=16)
-    assert (plan.backend, plan.interpret) == (Backend.PALLAS, True)
+    plan = fp4_decode_attention_plan(
+        q, kc, vc, lengths, implementation="pallas", k_splits=4, block_s=16
+    )
+    assert (plan.implementation, plan.interpret) == (Implementation.PALLAS, True)
     assert (plan.config.decode, plan.config.num_warps) == (kernel.DEFAULT_DECODE, 4)
     tuned = fp4_decode_attention_plan(q, kc, vc, lengths, decode="e4m3", num_warps=8)
     assert (tuned.config.decode, tuned.config.num_warps) == ("e4m3", 8)
@@ -382,21 +429,27 @@ def test_plan_defaults_and_backend_choice(monkeypatch):
         fp4_decode_attention_plan(q, kc, vc, lengths, decode="int8")
     # 10 blocks of 16 in 4 splits: chunks of 48 slots, and no empty split.
     assert (plan.config.chunk, plan.k_splits) == (48, 4)
-    plan = fp4_decode_attention_plan(q, kc, vc, lengths, backend="pallas", k_splits=50, block_s=64)
+    plan = fp4_decode_attention_plan(
+        q, kc, vc, lengths, implementation="pallas", k_splits=50, block_s=64
+    )
     assert (plan.config.chunk, plan.k_splits) == (64, 3)
 
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     plan = fp4_decode_attention_plan(q, kc, vc, lengths)
-    assert (plan.backend, plan.interpret) == (Backend.PALLAS, False)
-    # Dh = 48 is not a power of two: no Triton kernel; "auto" falls back, "pallas" refuses.
+    assert (plan.implementation, plan.interpret) == (Implementation.PALLAS, False)
+    # Dh = 48 is not a power of two: no Triton kernel; the default and ("pallas", "xla") fall
+    # back, "pallas" alone refuses.
     q48, k48 = q[..., :48], k[..., :48]
     kc48 = _packed(k48, fp4.NVFP4)
-    plan = fp4_decode_attention_plan(q48, kc48, kc48, lengths)
-    assert plan.backend is Backend.XLA and "head_dim 48" in plan.fallback
+    for implementation in (None, ("pallas", "xla")):
+        plan = fp4_decode_attention_plan(q48, kc48, kc48, lengths, implementation=implementation)
+        assert plan.implementation is Implementation.XLA and "head_dim 48" in plan.fallback
     with pytest.raises(NotImplementedError, match="head_dim 48"):
-        fp4_decode_attention_plan(q48, kc48, kc48, lengths, backend="pallas")
+        fp4_decode_attention_plan(q48, kc48, kc48, lengths, implementation="pallas")
     plan = bf16_decode_attention_plan(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
-    assert plan.backend is Backend.PALLAS
+    assert plan.implementation is Implementation.PALLAS
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths, implementation="xla")
+    assert plan.implementation is Implementation.XLA and plan.fallback is None
 
 
 @functools.cache
@@ -425,17 +478,17 @@ def _error_inputs():
 )
 def test_bad_inputs_raise(mutate, match):
     with pytest.raises(ValueError, match=match):
-        fp4_decode_attention(*mutate(*_error_inputs()), backend="xla")
+        fp4_decode_attention(*mutate(*_error_inputs()), implementation="xla")
 
 
 def test_bad_options_and_bf16_inputs_raise():
     q, kc, vc, lengths = _error_inputs()
     with pytest.raises(ValueError, match="block_s must be a power of two"):
-        fp4_decode_attention(q, kc, vc, lengths, backend="pallas", block_s=24)
+        fp4_decode_attention(q, kc, vc, lengths, implementation="pallas", block_s=24)
     with pytest.raises(ValueError, match="k_splits must be a positive int"):
-        fp4_decode_attention(q, kc, vc, lengths, backend="pallas", k_splits=0)
-    with pytest.raises(ValueError, match="backend"):
-        fp4_decode_attention(q, kc, vc, lengths, backend="cuda")
+        fp4_decode_attention(q, kc, vc, lengths, implementation="pallas", k_splits=0)
+    with pytest.raises(ValueError, match=r"implementation must be None, one of .* got 'cuda'"):
+        fp4_decode_attention(q, kc, vc, lengths, implementation="cuda")
     k = kc.read(jnp.bfloat16)
     with pytest.raises(ValueError, match="k must be bfloat16"):
         bf16_decode_attention(q, k.astype(jnp.float32), k, lengths)

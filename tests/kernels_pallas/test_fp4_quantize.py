@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.fp4_quantize import fp4_quantize, last_backend, quantize_capture_reference
+from kernels_pallas.common import Implementation
+from kernels_pallas.fp4_quantize import (
+    fp4_quantize,
+    fp4_quantize_with_implementation,
+    quantize_capture_reference,
+)
 from trace_jax import fp4
 
 
@@ -33,8 +38,8 @@ def _x(shape, seed, dtype=jnp.float32):
 )
 def test_rtn_capture_matches_reference(fmt, shape, dtype):
     x = _x(shape, seed=sum(shape), dtype=dtype)
-    out = fp4_quantize(x, fmt, backend="pallas", block_r=4)
-    assert last_backend() == "pallas"
+    out, ran = fp4_quantize_with_implementation(x, fmt, implementation="pallas", block_r=4)
+    assert ran is Implementation.PALLAS
     ref = quantize_capture_reference(x, fmt)
     _assert_same(out, ref)
     # The capture is exactly the compact guidance of the quantizer's own QTensor.
@@ -51,19 +56,35 @@ def test_guided_matches_reference(fmt, mode):
     x = _x((6, 128), seed=3)
     noise = jax.random.normal(jax.random.key(9), x.shape)
     g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
-    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=4)
+    out = fp4_quantize(x, fmt, guidance=g, implementation="pallas", block_r=4)
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
     own = fp4.quantize(x, fmt)
     assert not np.array_equal(np.asarray(out.qtensor().codes), np.asarray(own.codes))
 
 
 def test_non_power_of_two_rows_fall_back_to_xla():
+    """The kernel tiles power-of-two rows only: "pallas" alone refuses N = 96, the order
+    ("pallas", "xla") falls back to the reference, as does the default."""
     x = _x((4, 96), seed=1)
-    out = fp4_quantize(x, fp4.NVFP4, backend="pallas")
-    assert last_backend() == "xla"
-    _assert_same(out, quantize_capture_reference(x, fp4.NVFP4))
-    fp4_quantize(x, fp4.NVFP4, backend="xla")
-    assert last_backend() == "xla"
+    with pytest.raises(NotImplementedError, match="N=96"):
+        fp4_quantize(x, fp4.NVFP4, implementation="pallas")
+    for implementation in (("pallas", "xla"), None, "xla"):
+        out, ran = fp4_quantize_with_implementation(x, fp4.NVFP4, implementation=implementation)
+        assert ran is Implementation.XLA
+        _assert_same(out, quantize_capture_reference(x, fp4.NVFP4))
+
+
+def test_default_is_the_reference_off_gpu(monkeypatch):
+    """implementation=None: the reference off a GPU, the kernel first on one."""
+    from kernels_pallas import common
+
+    x = _x((4, 64), seed=2)
+    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    assert fp4_quantize_with_implementation(x, fp4.MXFP4)[1] is Implementation.XLA
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    out, ran = fp4_quantize_with_implementation(x, fp4.MXFP4, interpret=True)
+    assert ran is Implementation.PALLAS
+    _assert_same(out, quantize_capture_reference(x, fp4.MXFP4))
 
 
 def test_bad_inputs():
@@ -76,8 +97,10 @@ def test_bad_inputs():
     g = fp4.make_guidance(fp4.quantize(jnp.ones((3, 64)), "nvfp4"))
     with pytest.raises(ValueError, match="cannot guide"):
         fp4_quantize(jnp.ones((2, 64)), "nvfp4", guidance=g)
-    with pytest.raises(ValueError, match="not a valid Backend"):
-        fp4_quantize(jnp.ones((2, 64)), "nvfp4", backend="cuda")
+    with pytest.raises(ValueError, match=r"implementation must be None, one of .* got 'cuda'"):
+        fp4_quantize(jnp.ones((2, 64)), "nvfp4", implementation="cuda")
+    with pytest.raises(ValueError, match="empty sequence"):
+        fp4_quantize(jnp.ones((2, 64)), "nvfp4", implementation=())
 
 
 @pytest.mark.parametrize("pack", ["sum", "split"])
@@ -91,11 +114,13 @@ def test_column_tiles_match_reference(fmt, mode, pack):
     if mode is not None:
         noise = jax.random.normal(jax.random.key(4), x.shape)
         g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
-    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, block_n=64, pack=pack)
-    assert last_backend() == "pallas"
+    out, ran = fp4_quantize_with_implementation(
+        x, fmt, guidance=g, implementation="pallas", block_r=2, block_n=64, pack=pack
+    )
+    assert ran is Implementation.PALLAS
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
     with pytest.raises(ValueError, match="block_n"):
-        fp4_quantize(x, fmt, backend="pallas", block_n=48)
+        fp4_quantize(x, fmt, implementation="pallas", block_n=48)
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
@@ -116,12 +141,14 @@ def test_default_launch_of_wide_and_narrow_rows(fmt, monkeypatch):
     monkeypatch.setattr(api, "COLUMN_TILE", 64)
     monkeypatch.setattr(api, "ROW_LOOP_CHUNK", 128)
     x = _x((5, 256), seed=12)
-    _assert_same(fp4_quantize(x, fmt, backend="pallas"), quantize_capture_reference(x, fmt))
+    _assert_same(fp4_quantize(x, fmt, implementation="pallas"), quantize_capture_reference(x, fmt))
     mid = x[:, :128]  # a column tile's width, not the row loop's
-    _assert_same(fp4_quantize(mid, fmt, backend="pallas"), quantize_capture_reference(mid, fmt))
+    _assert_same(
+        fp4_quantize(mid, fmt, implementation="pallas"), quantize_capture_reference(mid, fmt)
+    )
     narrow = x[:, :64]
     _assert_same(
-        fp4_quantize(narrow, fmt, backend="pallas"), quantize_capture_reference(narrow, fmt)
+        fp4_quantize(narrow, fmt, implementation="pallas"), quantize_capture_reference(narrow, fmt)
     )
     wide = (
         (api.ROW_LOOP_ROWS, None, 128) if fmt.has_global_scale else (api.COLUMN_TILE_ROWS, 64, None)
@@ -146,7 +173,7 @@ def test_split_packing_puts_field_j_at_bit_j_times_width(per_byte):
         assert got.dtype == jnp.uint8
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="pack must be one of"):
-        fp4_quantize(_x((2, 64), seed=1), fp4.MXFP4, backend="pallas", pack="shift")
+        fp4_quantize(_x((2, 64), seed=1), fp4.MXFP4, implementation="pallas", pack="shift")
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
@@ -160,9 +187,9 @@ def test_row_loop_matches_reference(fmt, mode):
     if mode is not None:
         noise = jax.random.normal(jax.random.key(5), x.shape)
         g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
-    out = fp4_quantize(x, fmt, guidance=g, backend="pallas", block_r=2, loop_n=64)
+    out = fp4_quantize(x, fmt, guidance=g, implementation="pallas", block_r=2, loop_n=64)
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
     with pytest.raises(ValueError, match="loop_n"):
-        fp4_quantize(x, fmt, backend="pallas", loop_n=48)
+        fp4_quantize(x, fmt, implementation="pallas", loop_n=48)
     with pytest.raises(ValueError, match="without block_n"):
-        fp4_quantize(x, fmt, backend="pallas", loop_n=64, block_n=128)
+        fp4_quantize(x, fmt, implementation="pallas", loop_n=64, block_n=128)

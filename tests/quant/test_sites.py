@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.common import Implementation
 from trace_jax import fp4
+from trace_jax.models import identity_site, site_implementation
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode, align_expert_guidance
 
 
@@ -88,18 +90,19 @@ def test_quads_residual_compensation_reduces_the_activation_error():
 
 @pytest.mark.parametrize("mode", ["compact", "full"])
 def test_fused_pallas_capture_gives_the_same_guidance(mode):
-    """kernel_backend="pallas" hands over the fused kernel's bits / packed codes; they equal the
+    """implementation="pallas" hands over the fused kernel's bits / packed codes; they equal the
     guidance made from the XLA quantizer's codes, and the forward values are identical."""
     qcfg = QuantConfig.nvfp4()
     x = jax.random.normal(jax.random.key(5), (3, 64))
     keys = ["1/expert_in", "1/k"]
     out = {}
-    for backend in ("xla", "pallas"):
+    for implementation in ("xla", "pallas"):
         sites = QuantSites(
-            qcfg, 2, SiteMode.RTN, capture=keys, differentiable=False, kernel_backend=backend
+            qcfg, 2, SiteMode.RTN, capture=keys, differentiable=False, implementation=implementation
         )
+        assert sites.implementation == implementation
         ys = [sites(x, name=key.split("/")[1], layer=1) for key in keys]
-        out[backend] = (ys, sites.captured_guidance(mode))
+        out[implementation] = (ys, sites.captured_guidance(mode))
     assert set(out["pallas"][1]) == set(keys)
     for u, v in zip(jax.tree.leaves(out["xla"]), jax.tree.leaves(out["pallas"]), strict=True):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
@@ -118,3 +121,14 @@ def test_quantized_returns_the_sites_qtensor_and_packed_experts_need_pallas():
     assert sites.packed_experts_for(0) is None
     with pytest.raises(ValueError, match="packed_experts feed the Pallas"):
         QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False, packed_experts={0: object()})
+
+
+def test_implementation_is_checked_and_the_trainer_stays_on_xla():
+    qcfg = QuantConfig.nvfp4()
+    assert QuantSites(qcfg, 2, SiteMode.RTN).implementation is Implementation.XLA
+    assert site_implementation(QuantSites(qcfg, 2, SiteMode.RTN)) is Implementation.XLA
+    assert site_implementation(identity_site) is Implementation.XLA
+    with pytest.raises(ValueError, match="implementation must be 'xla' or 'pallas', got 'cuda'"):
+        QuantSites(qcfg, 2, SiteMode.RTN, differentiable=False, implementation="cuda")
+    with pytest.raises(ValueError, match="differentiable=False"):  # the trainer's sites
+        QuantSites(qcfg, 2, SiteMode.RTN, implementation="pallas")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl import (
+    GRPOConfig,
     kl_k3,
     logprob_gap_metrics,
     ppo_clip_loss,
@@ -16,6 +17,9 @@ from trace_jax.rl import (
 )
 
 LN = np.log
+# The losses take every hyper-parameter explicitly; their one definition is `GRPOConfig`.
+PPO = GRPOConfig().loss_kwargs("ppo_clip")
+TBPO = GRPOConfig().loss_kwargs("tbpo")
 
 
 def _ppo_example():
@@ -35,13 +39,13 @@ def _ppo_example():
 
 def test_ppo_clip_hand_example():
     new, old, roll, mask, adv = _ppo_example()
-    kw = dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
+    kw = PPO | dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
     kw |= dict(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=5.0)
     # Token losses: -w * min(rA, clip(r)A): -2 * 1.28, -5 * 0.9, 0.5 * 1.6.
     tok = [-2.56, -4.5, 0.8]
     loss, m = ppo_clip_loss(new, **kw)
     np.testing.assert_allclose(loss, sum(tok) / 3, rtol=1e-5)  # -2.0866667
-    loss_seq, _ = ppo_clip_loss(new, **kw, aggregation="seq_mean")
+    loss_seq, _ = ppo_clip_loss(new, **(kw | {"aggregation": "seq_mean"}))
     np.testing.assert_allclose(loss_seq, ((tok[0] + tok[1]) / 2 + tok[2]) / 2, rtol=1e-5)
     np.testing.assert_allclose(m["clip_frac"], 2 / 3, rtol=1e-6)
     np.testing.assert_allclose(m["is_trunc_frac"], 1 / 3, rtol=1e-6)
@@ -60,26 +64,26 @@ def test_ppo_clip_hand_example():
 def test_ppo_kl_penalty_hand_example():
     new, old, roll, mask, adv = _ppo_example()
     ref = new.at[0, 1].add(LN(2.0))  # k3 = 2 - ln 2 - 1 at one token, 0 elsewhere
-    kw = dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask, logp_ref=ref)
+    kw = PPO | dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask, logp_ref=ref)
     kw |= dict(clip_eps_low=0.2, clip_eps_high=0.28, is_cap=5.0)
     k3 = 1.0 - LN(2.0)
-    loss, m = ppo_clip_loss(new, **kw, beta=0.1)
+    loss, m = ppo_clip_loss(new, **(kw | {"beta": 0.1}))
     np.testing.assert_allclose(loss, (-2.56 - 4.5 + 0.8 + 0.1 * k3) / 3, rtol=1e-5)
     np.testing.assert_allclose(m["kl"], k3 / 3, rtol=1e-5)
     with pytest.raises(ValueError, match="logp_ref"):
-        ppo_clip_loss(new, **(kw | {"logp_ref": None}), beta=0.1)
+        ppo_clip_loss(new, **(kw | {"logp_ref": None, "beta": 0.1}))
 
 
 def test_dual_clip_bounds_negative_advantage_loss():
     new = jnp.array([[LN(4.0)]], jnp.float32)
     z = jnp.zeros((1, 1))
-    kw = dict(logp_old=z, logp_rollout=z, advantages=jnp.array([-1.0]), mask=jnp.ones((1, 1)))
+    kw = PPO | dict(logp_old=z, logp_rollout=z, advantages=jnp.array([-1.0]), mask=jnp.ones((1, 1)))
     loss, _ = ppo_clip_loss(new, **kw)
     np.testing.assert_allclose(loss, 4.0, rtol=1e-6)  # -A r, unbounded without dual clip
-    loss, m = ppo_clip_loss(new, **kw, dual_clip=3.0)
+    loss, m = ppo_clip_loss(new, **(kw | {"dual_clip": 3.0}))
     np.testing.assert_allclose(loss, 3.0, rtol=1e-6)
     assert float(m["dual_clip_frac"]) == 1.0
-    g = jax.grad(lambda x: ppo_clip_loss(x, **kw, dual_clip=3.0)[0])(new)
+    g = jax.grad(lambda x: ppo_clip_loss(x, **(kw | {"dual_clip": 3.0}))[0])(new)
     assert float(g[0, 0]) == 0.0
 
 
@@ -100,7 +104,7 @@ def test_truncated_is_weight_caps_at_5_and_has_no_gradient():
     # Through the loss: no gradient into the old or the rollout log-probs.
     new, old, roll, mask, adv = _ppo_example()
     for name, x in (("logp_old", old), ("logp_rollout", roll)):
-        args = dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
+        args = PPO | dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
 
         def f(v, name=name, args=args):
             return ppo_clip_loss(new, **(args | {name: v}))[0]
@@ -148,14 +152,14 @@ def _tbpo_example():
 
 def test_tbpo_hand_example():
     new, old, roll, mask, adv = _tbpo_example()
-    kw = dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
+    kw = TBPO | dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
     kw |= dict(clip_eps_low=0.2, clip_eps_high=0.2, is_cap=5.0, dual_clip=3.0, band=(0.2, 5.0))
     s4 = np.sqrt(0.99)
     seq = np.array([-1.2 * 2.0, 3.0 * 5.0, 0.0, -s4 * 1.0])  # valid sequences 0, 1, 2, 4
     n = np.array([2.0, 3.0, 1.0, 2.0])
     loss, m = tbpo_loss(new, **kw)
     np.testing.assert_allclose(loss, np.sum(seq * n) / n.sum(), rtol=1e-5)  # 4.7762531
-    loss_seq, _ = tbpo_loss(new, **kw, aggregation="seq_mean")
+    loss_seq, _ = tbpo_loss(new, **(kw | {"aggregation": "seq_mean"}))
     np.testing.assert_allclose(loss_seq, seq.mean(), rtol=1e-5)  # 2.9012531
     for key in ("clip_frac", "dual_clip_frac", "drop_frac", "is_trunc_frac"):
         np.testing.assert_allclose(m[key], 0.25, rtol=1e-6, err_msg=key)
@@ -175,7 +179,7 @@ def test_tbpo_hand_example():
 
 def test_tbpo_token_advantages_reduce_to_sequence_mean():
     new, old, roll, mask, adv = _tbpo_example()
-    kw = dict(logp_old=old, logp_rollout=roll, mask=mask)
+    kw = TBPO | dict(logp_old=old, logp_rollout=roll, mask=mask)
     a, _ = tbpo_loss(new, **kw, advantages=adv)
     b, _ = tbpo_loss(new, **kw, advantages=jnp.broadcast_to(adv[:, None], mask.shape))
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -205,17 +209,18 @@ def test_gap_metrics_match_numpy():
 def test_loss_argument_errors():
     new, old, roll, mask, adv = _ppo_example()
     kw = dict(logp_old=old, logp_rollout=roll, advantages=adv, mask=mask)
+    ppo, tbpo = PPO | kw, TBPO | kw  # every hyper-parameter valid but the one under test
     with pytest.raises(ValueError, match="aggregation"):
-        ppo_clip_loss(new, **kw, aggregation="sum")
+        ppo_clip_loss(new, **(ppo | {"aggregation": "sum"}))
     with pytest.raises(ValueError, match="clip_eps_low"):
-        ppo_clip_loss(new, **kw, clip_eps_low=1.0)
+        ppo_clip_loss(new, **(ppo | {"clip_eps_low": 1.0}))
     with pytest.raises(ValueError, match="is_cap"):
-        ppo_clip_loss(new, **kw, is_cap=0.5)
+        ppo_clip_loss(new, **(ppo | {"is_cap": 0.5}))
     with pytest.raises(ValueError, match="advantages have shape"):
-        ppo_clip_loss(new, **(kw | {"advantages": jnp.ones(3)}))
+        ppo_clip_loss(new, **(ppo | {"advantages": jnp.ones(3)}))
     with pytest.raises(ValueError, match="mask has shape"):
-        ppo_clip_loss(new, **(kw | {"mask": jnp.ones((2, 2), bool)}))
+        ppo_clip_loss(new, **(ppo | {"mask": jnp.ones((2, 2), bool)}))
     with pytest.raises(ValueError, match="band"):
-        tbpo_loss(new, **kw, band=(1.1, 2.0))
+        tbpo_loss(new, **(tbpo | {"band": (1.1, 2.0)}))
     with pytest.raises(ValueError, match="dual_clip"):
-        tbpo_loss(new, **kw, dual_clip=1.0)
+        tbpo_loss(new, **(tbpo | {"dual_clip": 1.0}))

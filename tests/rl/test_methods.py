@@ -8,16 +8,8 @@ import numpy as np
 import pytest
 
 from trace_jax.fp4 import GuidanceMode
-from trace_jax.quant import QuantConfig, SiteMode
-from trace_jax.rl import (
-    FORMAT_PRESETS,
-    METHODS,
-    GRPOConfig,
-    Method,
-    bind_loss,
-    deeper_layers,
-    get_method,
-)
+from trace_jax.quant import QUANT_RECIPES, QuantConfig, SiteMode, quant_recipe
+from trace_jax.rl import METHODS, GRPOConfig, Method, bind_loss, get_method
 
 N_LAYERS = 4
 FORMATS = ("nvfp4", "mxfp4_w4a4", "mxfp4_w4a8")
@@ -25,14 +17,14 @@ FORMATS = ("nvfp4", "mxfp4_w4a4", "mxfp4_w4a8")
 
 def test_registry_has_exactly_the_compared_methods():
     assert set(METHODS) == {"bf16", "fp4_qat", "qarl", "quads", "trace", "trace_full"}
-    assert set(FORMAT_PRESETS) == set(FORMATS)
+    assert set(QUANT_RECIPES) == set(FORMATS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_method_setup(name, fmt):
     s = get_method(name).setup(fmt, N_LAYERS)
-    preset = FORMAT_PRESETS[fmt]()
+    preset = quant_recipe(fmt)
     ro, tr = s.rollout_qcfg, s.trainer_qcfg
     if name == "bf16":
         assert ro == tr == QuantConfig.bf16()
@@ -64,15 +56,25 @@ def test_method_setup(name, fmt):
         assert s.capture == ()
 
 
-def test_guided_layers_override_and_deeper_layers():
-    s = get_method("trace").setup("nvfp4", 40, guided_layers=(35, 36, 37, 38, 39))
+def test_guided_layers_override():
+    trace = get_method("trace")
+    assert trace.guided_layers == "half" and get_method("trace_full").guided_layers == "all"
+    s = trace.setup("nvfp4", 40, guided_layers=(39, 35, 36, 37, 38))
     assert s.trainer_qcfg.layers_guided(40) == (35, 36, 37, 38, 39)
-    assert deeper_layers(40, 0.5) == tuple(range(20, 40))
-    assert deeper_layers(5, 0.5) == QuantConfig().layers_guided(5)
-    assert deeper_layers(3, 1.0) == (0, 1, 2)
-    assert deeper_layers(4, 0.01) == (3,)
+    assert s.rollout_qcfg.guided_layers == (35, 36, 37, 38, 39)  # resolved, sorted
+    s = trace.setup("nvfp4", 40, guided_layers="eighth")
+    assert s.rollout_qcfg.layers_guided(40) == (35, 36, 37, 38, 39)
+    assert {int(k.split("/")[0]) for k in s.capture} == {35, 36, 37, 38, 39}
+    # the default and an override naming the same layers give equal configs
+    default = trace.quant_configs("nvfp4", 8)
+    assert default == trace.quant_configs("nvfp4", 8, guided_layers="4,5,6,7")
+    assert trace.setup("nvfp4", 5).rollout_qcfg.guided_layers == (2, 3, 4)
     with pytest.raises(ValueError, match="out of range"):
-        get_method("trace").setup("nvfp4", 4, guided_layers=(4,))
+        trace.setup("nvfp4", 4, guided_layers=(4,))
+    with pytest.raises(ValueError, match="out of range"):
+        trace.setup("nvfp4", 4, guided_layers="0,4")
+    with pytest.raises(ValueError, match="comma list"):
+        trace.setup("nvfp4", 4, guided_layers="deep")
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -123,18 +125,5 @@ def test_bad_names_and_methods_raise():
         Method(**common, trainer_mode="rtn", loss="ppo_clip", trainer_overrides=(("w", None),))
     with pytest.raises(ValueError, match="not GUIDED"):
         Method(name="x", description="", rollout_mode="guided", trainer_mode="rtn", loss="tbpo")
-
-
-def test_layers_from_spec():
-    from trace_jax.rl.methods import layers_from_spec
-
-    assert layers_from_spec("all", 8) == tuple(range(8))
-    assert layers_from_spec("half", 8) == (4, 5, 6, 7)
-    assert layers_from_spec("quarter", 8) == (6, 7)
-    assert layers_from_spec("eighth", 8) == (7,)
-    assert layers_from_spec("eighth", 4) == (3,)  # at least one layer
-    assert layers_from_spec("0,3", 4) == (0, 3)
-    with pytest.raises(ValueError, match="out of range"):
-        layers_from_spec("0,4", 4)
-    with pytest.raises(ValueError, match="comma list"):
-        layers_from_spec("deep", 4)
+    with pytest.raises(ValueError, match="x: guided layers must be one of"):
+        Method(**common, trainer_mode="rtn", loss="ppo_clip", guided_layers="deepest")

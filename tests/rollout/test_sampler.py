@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from tests import tiny
+from tests.models.rounding import ELEMENTWISE, U32, decided, logits_bound, routing_decided
 from trace_jax import fp4
 from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
@@ -51,25 +52,58 @@ def test_layout_lengths_and_logprobs(model):
         assert np.asarray(r.response_mask)[b].sum() == 6
         assert np.asarray(r.response_mask)[b, n : n + 6].all()
         assert (tokens[b, n + 6 :] == 0).all()
-    # Greedy token-by-token decode over the cache = the teacher-forced forward (float32 model).
-    mask = np.asarray(r.response_mask)
-    np.testing.assert_allclose(
-        np.asarray(fwd.logprobs)[mask], np.asarray(r.logprobs)[mask], atol=2e-4
+    # Greedy token-by-token decode over the cache = the teacher-forced forward (float32 model),
+    # to rounding: the two sum in different orders. No token is near a routing tie, so both
+    # route alike; a log-softmax moves by at most twice its logits' error, each within
+    # `logits_bound` (beta), plus its own rounding (V + a few terms).
+    t = tokens.shape[1]
+    valid = np.arange(t) < np.asarray(r.lengths)[:, None]
+    with jax.default_matmul_precision("highest"):
+        logits, aux = model(r.tokens, mask=valid)
+    proc = np.asarray(r.processed)
+    assert routing_decided(model, aux["router_probs"], t)[:, proc].all()
+    np.testing.assert_array_equal(
+        np.asarray(aux["topk_idx"])[:, proc], np.asarray(r.expert_choices)[:, proc]
     )
-    # Greedy picks the argmax of the forward's logits.
-    logits, _ = model(r.tokens, mask=np.arange(r.tokens.shape[1]) < np.asarray(r.lengths)[:, None])
-    pred = np.asarray(jnp.argmax(logits, -1))
+    beta = float(logits_bound(model, t).max())
+    mask = np.asarray(r.response_mask)
+    lp, lp_fwd = np.asarray(r.logprobs)[mask], np.asarray(fwd.logprobs)[mask]
+    rounding = (CFG32.vocab_size + ELEMENTWISE) * U32 * (np.abs(lp) + np.abs(lp_fwd) + 1)
+    assert np.all(np.abs(lp_fwd - lp) <= 4 * beta + rounding)
+    # Greedy picks the argmax of the forward's logits: every pick leads by more than the two
+    # computations' difference (2 beta), so the comparison is exact.
+    picks = np.stack([np.asarray(logits)[b, int(lengths[b]) - 1 :][:6] for b in range(3)])
+    assert decided(picks, 1, 4 * beta).all()
+    pred = np.argmax(picks, -1)
     for b in range(3):
         n = int(lengths[b])
-        np.testing.assert_array_equal(tokens[b, n : n + 6], pred[b, n - 1 : n + 5])
+        np.testing.assert_array_equal(tokens[b, n : n + 6], pred[b])
 
 
-def test_rows_do_not_depend_on_batch_padding(model):
+def _copies(x: jax.Array, b: int) -> jax.Array:
+    """Row b of `x` in every row (x's shape)."""
+    return jnp.broadcast_to(x[b : b + 1], x.shape)
+
+
+def test_rows_do_not_depend_on_other_rows_or_padding(model):
+    """Row 2 (a 2-token prompt) samples the same tokens with the same log-probs and experts
+    whatever the other rows and its padding slots hold. Both batches have the same shapes, so
+    they run the same compiled computation (the same summation order in every matmul) and agree
+    bit for bit unless a row leaks into another or padding is read."""
     prompts, lengths = _prompts()
+    others = jnp.array([[13, 17, 19, 23, 29, 31], [40, 41, 42, 0, 0, 0], [1, 1, 62, 62, 62, 62]])
+    others_lengths = jnp.array([6, 3, 2], jnp.int32)
+    assert (others[2, :2] == prompts[2, :2]).all() and int(others_lengths[2]) == int(lengths[2])
     with jax.default_matmul_precision("highest"):
         batch = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
-        alone = _generate(model, prompts[2:, :2], lengths[2:], qcfg=QCFG, mode=SiteMode.RTN)
-    np.testing.assert_array_equal(np.asarray(batch.tokens)[2, :8], np.asarray(alone.tokens)[0])
+        among_others = _generate(model, others, others_lengths, qcfg=QCFG, mode=SiteMode.RTN)
+    for field in ("tokens", "logprobs"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(batch, field))[2], np.asarray(getattr(among_others, field))[2]
+        )
+    np.testing.assert_array_equal(
+        np.asarray(batch.expert_choices)[:, 2], np.asarray(among_others.expert_choices)[:, 2]
+    )
 
 
 def test_stop_tokens_end_rows(model):
@@ -90,8 +124,8 @@ def test_stop_tokens_end_rows(model):
 
 def test_records_of_rows_that_end_early_sit_at_their_slots(model):
     """Expert choices and guidance of rows ending at different steps (a stop token, the length
-    limit) equal each row's records generated alone at every processed slot, and slots after a
-    row's end keep the empty buffer's values."""
+    limit) equal each row's records in a batch of copies of itself (where every row ends when it
+    does), and slots after a row's end keep the empty buffer's values."""
     prompts, lengths = _prompts()
     first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
     stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
@@ -100,28 +134,25 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
     kw = dict(qcfg=QCFG, mode=SiteMode.RTN, sampling=sampling, capture=keys)
     with jax.default_matmul_precision("highest"):
         batch = _generate(model, prompts, lengths, **kw)
-        alone = [_generate(model, prompts[b : b + 1], lengths[b : b + 1], **kw) for b in range(3)]
+        # The same shapes as `batch`: the same compiled computation and summation order, so row b
+        # must come out bit for bit (codes, scales and expert choices are discrete functions of
+        # its values, which a different batch shape would perturb by rounding).
+        alone = [_generate(model, _copies(prompts, b), _copies(lengths, b), **kw) for b in range(3)]
     ends = np.asarray(batch.lengths) - np.asarray(lengths)
     assert ends[0] == 2 and len(set(ends.tolist())) > 1  # rows end at different steps
     proc = np.asarray(batch.processed)
     for b, r in enumerate(alone):
-        np.testing.assert_array_equal(np.asarray(r.processed)[0], proc[b])
+        np.testing.assert_array_equal(np.asarray(r.processed)[b], proc[b])
         p = proc[b]
         np.testing.assert_array_equal(
-            np.asarray(batch.expert_choices)[:, b, p], np.asarray(r.expert_choices)[:, 0, p]
+            np.asarray(batch.expert_choices)[:, b], np.asarray(r.expert_choices)[:, b]
         )
         assert (np.asarray(batch.expert_choices)[:, b, ~p] == 0).all()
         for k in keys:  # compact guidance: payload bits, block scales, global scale
             ga, gb = batch.guidance[k], r.guidance[k]
             assert ga.mode is fp4.GuidanceMode.COMPACT
             for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
-                u, v = np.asarray(u)[b, p], np.asarray(v)[0, p]
-                if u.dtype == np.float32:
-                    # Global scales: the batch size changes the matmuls' summation order upstream,
-                    # a few to ~20 ulps (1.02e-6 seen once on a clean-clone run).
-                    np.testing.assert_allclose(u, v, rtol=4e-6)
-                else:
-                    np.testing.assert_array_equal(u, v)
+                np.testing.assert_array_equal(np.asarray(u)[b], np.asarray(v)[b])
             assert (np.asarray(ga.payload)[b, ~p] == 0).all()
     # Slot alignment against an independent path: teacher-forced prefill of each finished row
     # (all its tokens as the prompt) records its guidance at the same slots.
@@ -140,6 +171,9 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
         for k in keys:
             u = np.asarray(batch.guidance[k].payload)[b, :n][p]
             v = np.asarray(tf.guidance[k].payload)[0, :n][p]
+            # Decode and prefill sum in different orders, so a bit may flip where a value sits
+            # at a rounding boundary (none here); a slot off by one agrees on at most 86% of the
+            # payload bytes here.
             assert (u == v).mean() > 0.98, (k, (u == v).mean())
 
 
@@ -193,6 +227,8 @@ def test_bad_inputs(model):
         _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.GUIDED)
     with pytest.raises(ValueError, match="lengths must be"):
         _generate(model, prompts, lengths[:2], qcfg=QCFG)
+    with pytest.raises(ValueError, match="implementation must be 'xla' or 'pallas', got 'auto'"):
+        _generate(model, prompts, lengths, qcfg=QCFG, implementation="auto")
     with pytest.raises(ValueError, match="not a multiple"):
         init_cache(CFG32, batch=1, max_len=4, kv_format="mxfp4")  # head_dim 16 < block 32
 
@@ -242,30 +278,40 @@ def _pallas_and_xla_rollouts(dtype):
     prompts, lengths = _prompts()
     keys = QCFG.all_keys(cfg.n_layers)
     kw = dict(qcfg=QCFG, capture=keys, capture_mode=fp4.GuidanceMode.FULL)
-    a = _generate(m, prompts, lengths, kernel_backend="xla", **kw)
-    b = _generate(m, prompts, lengths, kernel_backend="pallas", **kw)
+    a = _generate(m, prompts, lengths, implementation="xla", **kw)
+    b = _generate(m, prompts, lengths, implementation="pallas", **kw)
     prompt = np.arange(a.tokens.shape[1])[None] < np.asarray(lengths)[:, None]
     return a, b, keys, prompt
 
 
-def test_pallas_kernel_backend_matches_xla():
-    """kernel_backend="pallas" (interpret mode here: fused quantize + capture, FP4 decode
+# Sites whose inputs both implementations compute with the same XLA ops at prompt slots (the
+# prefill's attention is XLA in both; the fused quantize kernel is bit-exact): identical guidance.
+SAME_INPUT_SITES = ("0/k", "0/v", "0/expert_in")
+
+
+def test_pallas_implementation_matches_xla():
+    """implementation="pallas" (interpret mode here: fused quantize + capture, FP4 decode
     attention, FP4 MoE matmul on weights packed once) in float32 compute: the same greedy tokens
-    as the XLA path, and identical guidance where both paths see identical inputs (prompt slots)."""
+    as the XLA path (the smallest greedy lead here is 5e-3, the paths' log-probs differ by ~5e-7);
+    identical guidance where both paths see identical inputs; elsewhere the kernels sum in another
+    order, which flips a code only where a value sits within rounding of an FP4 rounding boundary:
+    at most 1% of a site's codes and block scales (none measured; a wiring error, another layer's
+    weights or a lost scale, changes most codes from the first layer it enters)."""
     a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.float32)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    proc = np.asarray(a.processed)
     for k in keys:
         ga, gb = a.guidance[k], b.guidance[k]
-        np.testing.assert_array_equal(
-            np.asarray(ga.rollout_codes())[prompt], np.asarray(gb.rollout_codes())[prompt]
-        )
-        np.testing.assert_array_equal(
-            np.asarray(fp4.scales_to_float32(ga.scales, ga.fmt))[prompt],
-            np.asarray(fp4.scales_to_float32(gb.scales, gb.fmt))[prompt],
-        )
+        codes_a, codes_b = (np.asarray(g.rollout_codes()) for g in (ga, gb))
+        scales_a, scales_b = (np.asarray(fp4.scales_to_float32(g.scales, g.fmt)) for g in (ga, gb))
+        if k in SAME_INPUT_SITES:
+            np.testing.assert_array_equal(codes_a[prompt], codes_b[prompt])
+            np.testing.assert_array_equal(scales_a[prompt], scales_b[prompt])
+        for u, v in ((codes_a, codes_b), (scales_a, scales_b)):
+            assert np.mean(u[proc] != v[proc]) <= 0.01, (k, np.mean(u[proc] != v[proc]))
 
 
-def test_pallas_kernel_backend_close_to_xla_in_bf16():
+def test_pallas_implementation_close_to_xla_in_bf16():
     """In bfloat16 the paths compute different numbers, the kernels the more faithful ones: XLA's
     fake quantization rounds dequantized NVFP4 values (code * scale * float32 global scale) to
     bf16 before `ragged_dot`, and its attention rounds probabilities to bf16, while the kernels
@@ -311,9 +357,9 @@ def test_rollout_rows_selects_every_field_on_its_batch_axis():
     assert part.guidance["0/k"].mode is g.mode and part.guidance["0/k"].fmt is g.fmt
 
 
-def test_pallas_backend_runs_prequantized_weights_unpacked():
-    """Post-training-quantized weights (QuantConfig.weights_prequantized) are not re-packed on the
-    Pallas backend: the same greedy tokens as the XLA backend (float32 compute)."""
+def test_pallas_implementation_runs_prequantized_weights_unpacked():
+    """Post-training-quantized weights (QuantConfig.weights_prequantized) are not re-packed by the
+    Pallas implementation: the same greedy tokens as the XLA one (float32 compute)."""
     from flax import nnx as _nnx
 
     from trace_jax.quant import ptq
@@ -327,8 +373,8 @@ def test_pallas_backend_runs_prequantized_weights_unpacked():
     gd, params = _nnx.split(m)
     out = [
         generate(gd, params, prompts, lengths, jax.random.key(0), sampling=sampling, qcfg=qcfg,
-                 kernel_backend=kb)
-        for kb in ("xla", "pallas")
+                 implementation=impl)
+        for impl in ("xla", "pallas")
     ]  # fmt: skip
     np.testing.assert_array_equal(np.asarray(out[0].tokens), np.asarray(out[1].tokens))
 

@@ -1,4 +1,5 @@
-"""FP4 numerics core: block formats, the quantizer, guided rounding and compact guidance.
+"""FP4 numerics core: block formats, the quantizer, guided rounding, compact guidance and the
+packed FP4 KV cache storage.
 
 Public names here are a contract used by the model, rollout, trainer, kernels and tests.
 """
@@ -13,6 +14,7 @@ from trace_jax.fp4.formats import (
     ElementType,
     ScaleType,
     get_format,
+    register_format,
 )
 from trace_jax.fp4.guidance import (
     Guidance,
@@ -22,6 +24,7 @@ from trace_jax.fp4.guidance import (
     to_compact,
 )
 from trace_jax.fp4.metrics import mismatch_stats, signed_position
+from trace_jax.fp4.packed_cache import PackedTensorCache
 from trace_jax.fp4.packing import pack_bits, pack_fp4, unpack_bits, unpack_fp4
 from trace_jax.fp4.qtensor import QTensor, empty_scales
 from trace_jax.fp4.quantize import Rounding, dequantize, quantize
@@ -36,6 +39,7 @@ __all__ = [
     "ElementType",
     "Guidance",
     "GuidanceMode",
+    "PackedTensorCache",
     "QTensor",
     "Rounding",
     "ScaleType",
@@ -49,6 +53,7 @@ __all__ = [
     "pack_bits",
     "pack_fp4",
     "quantize",
+    "register_format",
     "scales_to_float32",
     "signed_position",
     "to_compact",

@@ -134,11 +134,37 @@ MXFP4 = BlockFormat("mxfp4", ElementType.E2M1, 32, ScaleType.E8M0, has_global_sc
 NVFP4 = BlockFormat("nvfp4", ElementType.E2M1, 16, ScaleType.E4M3, has_global_scale=True)
 MXFP8 = BlockFormat("mxfp8", ElementType.E4M3, 32, ScaleType.E8M0, has_global_scale=False)
 
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (MXFP4, NVFP4, MXFP8)}
+# Name -> format: what `get_format` (and so every `fmt` given by name) resolves.
+FORMATS: dict[str, BlockFormat] = {}
+
+
+def register_format(fmt: BlockFormat, *, replace: bool = False) -> BlockFormat:
+    """Makes `fmt` known by its name to `get_format` (and so to `QuantConfig`, the guidance
+    store, ...); returns it. Names are lower case, as `get_format` looks them up.
+
+    Raises TypeError when `fmt` is not a `BlockFormat`, ValueError on an upper-case name or
+    when the name is registered and not `replace`.
+    """
+    if not isinstance(fmt, BlockFormat):
+        raise TypeError(f"register_format takes a BlockFormat; got {fmt!r}")
+    if not fmt.name or fmt.name != fmt.name.lower():
+        raise ValueError(f"a format name is non-empty and lower case; got {fmt.name!r}")
+    if fmt.name in FORMATS and not replace:
+        raise ValueError(
+            f"block format {fmt.name!r} is already registered; pass replace=True to redefine it"
+        )
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+for _fmt in (MXFP4, NVFP4, MXFP8):
+    register_format(_fmt)
+del _fmt
 
 
 def get_format(name: str | BlockFormat) -> BlockFormat:
-    """Returns the format called `name` ("mxfp4" | "nvfp4" | "mxfp8"); a format passes through."""
+    """Returns the registered format called `name` (case-insensitive: "mxfp4" | "nvfp4" |
+    "mxfp8" | any `register_format`-ed name); a format passes through."""
     if isinstance(name, BlockFormat):
         return name
     if not isinstance(name, str) or name.lower() not in FORMATS:

@@ -1,5 +1,15 @@
-"""Guidance store: rollout guidance from the rollout to the trainer through tensorstore (SPEC 5)."""
+"""Guidance store: rollout guidance from the rollout to the trainer through tensorstore (SPEC 5).
 
+Modules, each importing only those listed before it:
+
+- `errors`, `layout`, `config`: error types; keys, zarr3 specs, manifests; `GuidanceStoreConfig`.
+- `kvstore`: the open kvstore; kvstore failures as guidance errors.
+- `versions`: the policy-version handshake and the staleness rule.
+- `writer`, `reader`, `gc`: asynchronous committed writes; verified reads; listing and deletion.
+- `store`: `GuidanceStore`, the parts above over one kvstore.
+"""
+
+from trace_jax.guidance.config import Fallback, GuidanceStoreConfig
 from trace_jax.guidance.errors import (
     GuidanceCorruptError,
     GuidanceError,
@@ -8,19 +18,27 @@ from trace_jax.guidance.errors import (
     GuidanceMissingError,
     GuidanceVersionError,
 )
+from trace_jax.guidance.gc import GarbageCollector
 from trace_jax.guidance.layout import EntryKey
-from trace_jax.guidance.store import Fallback, GuidanceStore, GuidanceStoreConfig, WriteResult
+from trace_jax.guidance.reader import GuidanceReader
+from trace_jax.guidance.store import GuidanceStore
+from trace_jax.guidance.versions import PolicyVersions
+from trace_jax.guidance.writer import GuidanceWriter, WriteResult
 
 __all__ = [
     "EntryKey",
     "Fallback",
+    "GarbageCollector",
     "GuidanceCorruptError",
     "GuidanceError",
     "GuidanceExistsError",
     "GuidanceIOError",
     "GuidanceMissingError",
+    "GuidanceReader",
     "GuidanceStore",
     "GuidanceStoreConfig",
     "GuidanceVersionError",
+    "GuidanceWriter",
+    "PolicyVersions",
     "WriteResult",
 ]

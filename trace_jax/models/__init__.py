@@ -7,6 +7,7 @@ from trace_jax.models.attention import (
     Attention,
     KVCache,
     LayerKVCache,
+    PackedLayerKVCache,
     RMSNorm,
     apply_rope,
     cache_read,
@@ -14,7 +15,14 @@ from trace_jax.models.attention import (
     init_cache,
     rope_angles,
 )
-from trace_jax.models.config import ModelConfig, QuantSite, SiteName, identity_site
+from trace_jax.models.config import (
+    ModelConfig,
+    QuantSite,
+    SiteName,
+    identity_site,
+    kernel_order,
+    site_implementation,
+)
 from trace_jax.models.moe import (
     MoE,
     MoEImpl,
@@ -27,7 +35,6 @@ from trace_jax.models.moe import (
     route,
     switch_aux_loss,
 )
-from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
 from trace_jax.models.qwen3_moe import (
     DecoderLayer,
     Qwen3MoE,
@@ -53,7 +60,6 @@ __all__ = [
     "ModelConfig",
     "PackedExperts",
     "PackedLayerKVCache",
-    "PackedTensorCache",
     "QuantSite",
     "Qwen3MoE",
     "RMSNorm",
@@ -73,6 +79,7 @@ __all__ = [
     "identity_site",
     "init_cache",
     "init_model",
+    "kernel_order",
     "pack_experts",
     "pack_model_experts",
     "param_count",
@@ -80,5 +87,6 @@ __all__ = [
     "prefill_jit",
     "rope_angles",
     "route",
+    "site_implementation",
     "switch_aux_loss",
 ]

@@ -8,6 +8,10 @@ KV cache convention (right padding, slot == position): sequence b holds its toke
 `0 .. lengths[b] - 1`, the token at slot s having RoPE position s. New tokens are appended at slot
 `lengths[b]` onwards; slots at or beyond `lengths[b]` hold stale values and are always masked. A
 padded prompt batch is therefore given right-padded, with a per-sequence count of real tokens.
+
+A packed FP4 cache (`PackedLayerKVCache` of two `trace_jax.fp4.PackedTensorCache`) is written
+through the fused quantize op, and with the site's implementation "pallas" a decode step attends
+with the FP4 decode-attention op, which reads the packed bytes directly (`kernels_pallas`).
 """
 
 from __future__ import annotations
@@ -18,10 +22,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.common import Implementation
+from kernels_pallas.fp4_decode_attention import fp4_decode_attention
+from kernels_pallas.fp4_quantize import fp4_quantize
 from trace_jax import fp4
-from trace_jax.fp4 import BlockFormat
-from trace_jax.models.config import ModelConfig, QuantSite, SiteName
-from trace_jax.models.packed_kv_cache import PackedLayerKVCache, PackedTensorCache
+from trace_jax.fp4 import BlockFormat, PackedTensorCache
+from trace_jax.models.config import (
+    ModelConfig,
+    QuantSite,
+    SiteName,
+    kernel_order,
+    site_implementation,
+)
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -69,6 +81,16 @@ class LayerKVCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PackedLayerKVCache:
+    """One layer's FP4 cache, the packed twin of `LayerKVCache`: k, v [B, S, Hkv, Dh] stored as
+    packed codes plus block scales."""
+
+    k: PackedTensorCache
+    v: PackedTensorCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """Per-layer caches plus `lengths [B] int32`, the number of valid slots of each sequence.
 
@@ -95,16 +117,12 @@ def init_cache(
     batch: int,
     max_len: int,
     kv_format: str | BlockFormat | None = None,
-    kernel_backend: str = "xla",
 ) -> KVCache:
     """An empty cache of `max_len` slots for `batch` sequences (lengths 0).
 
     kv_format: None for a cache in the compute dtype, or an FP4 format ("nvfp4", "mxfp4") for a
     packed FP4 cache (`PackedLayerKVCache`: codes two per byte plus block scales).
-    kernel_backend: "xla" or "pallas" (Pallas quantize-on-write and FP4 decode attention).
     """
-    if kernel_backend not in ("xla", "pallas"):
-        raise ValueError(f"kernel_backend must be 'xla' or 'pallas', got {kernel_backend!r}")
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch > 0 and max_len > 0, got {batch}, {max_len}")
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
@@ -112,8 +130,8 @@ def init_cache(
         fmt = fp4.get_format(kv_format)
         layers = tuple(
             PackedLayerKVCache(
-                k=PackedTensorCache.empty(shape, fmt, kernel_backend),
-                v=PackedTensorCache.empty(shape, fmt, kernel_backend),
+                k=PackedTensorCache.empty(shape, fmt),
+                v=PackedTensorCache.empty(shape, fmt),
             )
             for _ in range(cfg.n_layers)
         )
@@ -131,19 +149,22 @@ def cache_write(
     v: jax.Array,
     slots: jax.Array,
     *,
-    k_raw: jax.Array | None = None,
-    v_raw: jax.Array | None = None,
+    implementation: Implementation = Implementation.XLA,
 ) -> LayerKVCache | PackedLayerKVCache:
     """Write k, v [B, T, Hkv, Dh] at `slots [B, T]` (int32); out-of-range slots are dropped.
 
-    A packed FP4 cache quantizes `k_raw`/`v_raw` (the values before the "k"/"v" sites) itself, with
-    round-to-nearest: the same computation as an FP4 rollout's site, so it stores exactly the codes
-    the site produced (re-quantizing dequantized NVFP4 values would not reproduce them).
+    A packed FP4 cache stores the round-to-nearest codes of k, v, quantized here by the fused
+    quantize op (`implementation`, see `kernel_order`; every implementation gives the same codes).
     """
     if isinstance(cache, PackedLayerKVCache):
+        order = kernel_order(implementation)
+
+        def quantize(x, fmt):
+            return fp4_quantize(x, fmt, implementation=order).qtensor()
+
         return PackedLayerKVCache(
-            k=cache.k.write(k if k_raw is None else k_raw, slots),
-            v=cache.v.write(v if v_raw is None else v_raw, slots),
+            k=cache.k.write(quantize(k, cache.k.fmt), slots),
+            v=cache.v.write(quantize(v, cache.v.fmt), slots),
         )
     b = jnp.arange(k.shape[0])[:, None]
     return LayerKVCache(
@@ -227,17 +248,26 @@ class Attention(nnx.Module):
         if cache is not None:
             if slots is None:
                 raise ValueError("Attention with a cache needs `slots` [B, T]")
-            cache = cache_write(cache, k, v, slots, k_raw=k_raw, v_raw=v_raw)
+            implementation = site_implementation(site)
+            if isinstance(cache, PackedLayerKVCache):
+                # The packed cache quantizes the raw k, v (RTN): the computation of an FP4
+                # rollout's "k"/"v" sites, so it stores exactly their codes (re-quantizing their
+                # dequantized NVFP4 values would not reproduce them).
+                cache = cache_write(cache, k_raw, v_raw, slots, implementation=implementation)
+            else:
+                cache = cache_write(cache, k, v, slots)
             if (
                 isinstance(cache, PackedLayerKVCache)
-                and cache.k.kernel_backend == "pallas"
+                and implementation is Implementation.PALLAS
                 and q.shape[1] == 1
             ):
                 # One new token: the FP4 decode-attention kernel reads the packed cache directly.
-                from kernels_pallas.fp4_decode_attention import fp4_decode_attention
-
                 out = fp4_decode_attention(
-                    q[:, 0], cache.k, cache.v, slots[:, 0] + 1, backend="pallas"
+                    q[:, 0],
+                    cache.k,
+                    cache.v,
+                    slots[:, 0] + 1,
+                    implementation=kernel_order(implementation),
                 )
                 y = jnp.einsum("bhc,hcd->bd", out.astype(dt), self.w_o[...].astype(dt))
                 return y[:, None], cache

@@ -20,6 +20,12 @@ model calls it at exactly the places that TRACE quantizes (SPEC section 3) and n
 Each site is called once per layer and forward call; `layer` is a Python int in [0, n_layers).
 "expert_mid" is also given `experts=` the int32 [B, T, K] expert id of each slot, so that a site
 can align per-slot data (the rollout's guidance) with the slots of this forward.
+
+The site is also the one home of the forward call's kernel choice: its `implementation` ("xla"
+or "pallas", `site_implementation`; `trace_jax.quant.QuantSites` sets it, the rollout passes it,
+the trainer keeps "xla", which is differentiable). With "pallas" the model runs the kernel ops
+(`kernels_pallas`) with `kernel_order`; with "xla" it runs plain XLA.
+
 Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
 """
 
@@ -33,6 +39,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas.common import Implementation
 
 
 class SiteName(enum.StrEnum):
@@ -61,6 +69,22 @@ def identity_site(
     """The default site: no quantization."""
     del name, layer, experts
     return x
+
+
+def site_implementation(site: QuantSite) -> Implementation:
+    """The kernels a forward call with `site` runs: its `implementation` attribute, XLA for a site
+    without one (`identity_site`, plain functions)."""
+    return Implementation(getattr(site, "implementation", Implementation.XLA))
+
+
+def kernel_order(implementation: Implementation) -> tuple[Implementation, ...]:
+    """The `implementation=` the model passes to every kernel op: for PALLAS the Pallas kernel where
+    it runs (interpret mode off the GPU) and the op's XLA reference where the kernel cannot take
+    the shapes (the fused quantize tiles power-of-two rows only; its reference gives the same
+    codes); for XLA the reference."""
+    if Implementation(implementation) is Implementation.PALLAS:
+        return (Implementation.PALLAS, Implementation.XLA)
+    return (Implementation.XLA,)
 
 
 _HF_REQUIRED_KEYS = (

@@ -20,9 +20,8 @@ projection.
 least `AUTO_MIN_MEAN_GROUP_ROWS` rows (training and prefill: there the dense expansion's E-fold
 work dominates), `ragged_dot` below (decode: few rows per expert, where the tiled form's weight
 gather, `n_tiles` >= E weight matrices copied per projection, and its extra small ops cost more
-than the small dense expansion). Measured on the H200 (`experiments/results/
-grpo_step_ragged_dot_hlo.md`, `small`, one GRPO step): tiled everywhere trains 28% faster but
-rolls out 32% slower than `ragged_dot`.
+than the small dense expansion). Measured on the H200 (`small`, one GRPO step): tiled everywhere
+trains 28% faster but rolls out 32% slower than `ragged_dot`.
 
 Axis legend: M rows (expert-sorted), K contraction, N output, E groups, P padded rows.
 """

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trace_jax.models.config import ModelConfig, QuantSite, SiteName, identity_site
+from kernels_pallas.fp4_moe_matmul import PackedFP4Weights, fp4_moe_matmul, pack_weights
+from trace_jax import fp4
+from trace_jax.models.config import (
+    ModelConfig,
+    QuantSite,
+    SiteName,
+    identity_site,
+    kernel_order,
+    site_implementation,
+)
 from trace_jax.models.grouped_matmul import GroupedMatmul, grouped_dot
 
 
@@ -160,16 +168,14 @@ class PackedExperts:
     the weight sites) and packed for the Pallas MoE kernel: `PackedFP4Weights` gate, up
     [E, F, D] and down [E, D, F]."""
 
-    gate: Any
-    up: Any
-    down: Any
+    gate: PackedFP4Weights
+    up: PackedFP4Weights
+    down: PackedFP4Weights
 
 
 def _rows(q, rows: jax.Array):
     """Rows `rows` of a site output flattened to [R, N]: a `QTensor` (codes, scales, global
     scale gathered together) or a plain array (cast to bfloat16, the kernel's plain operand)."""
-    from trace_jax import fp4
-
     if isinstance(q, fp4.QTensor):
         codes, scales = (a.reshape(-1, a.shape[-1])[rows] for a in (q.codes, q.scales))
         gs = None if q.global_scale is None else q.global_scale.reshape(-1, 1)[rows]
@@ -193,13 +199,12 @@ def experts_packed_fp4(
     decodes both operands exactly and accumulates in float32 like `ragged_dot` over the
     fake-quantized values, so the two paths agree to summation order. Returns [B, T, D] in dtype.
     """
-    from kernels_pallas.fp4_moe_matmul import fp4_moe_matmul
-
     b, t, top_k = routing.topk_idx.shape
     order, inverse, group_sizes = _sort_by_expert(routing, packed.gate.shape[0])
+    implementation = kernel_order(site_implementation(site))
 
     def matmul(lhs, w):
-        return fp4_moe_matmul(lhs, w, group_sizes, backend="pallas", out_dtype=dtype)
+        return fp4_moe_matmul(lhs, w, group_sizes, implementation=implementation, out_dtype=dtype)
 
     x_sorted = _rows(x_q, order // top_k)  # [M, D]
     h = jax.nn.silu(matmul(x_sorted, packed.gate)) * matmul(x_sorted, packed.up)  # [M, F]
@@ -214,7 +219,6 @@ def experts_packed_fp4(
 def pack_experts(moe: MoE, qcfg, dtype) -> PackedExperts:
     """Quantizes and packs one MoE layer's expert weights exactly as the weight sites quantize
     them (the weights cast to the compute dtype `dtype`, RTN, one global scale per expert)."""
-    from kernels_pallas.fp4_moe_matmul import pack_weights
 
     def pack(w, name):
         return pack_weights(w[...].astype(dtype), qcfg.format_for(name))

@@ -21,14 +21,18 @@ from collections.abc import Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.common import Implementation
+from kernels_pallas.fp4_quantize import QuantizedCapture, fp4_quantize
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, GuidanceMode, QTensor, make_guidance
-from trace_jax.quant.config import ACTIVATION_SITES, WEIGHT_SITES, QuantConfig, SiteMode
-
-
-def site_key(layer: int, name: str) -> str:
-    """The key of one site in guidance, capture and statistics dicts: "<layer>/<name>"."""
-    return f"{layer}/{name}"
+from trace_jax.models.config import kernel_order
+from trace_jax.quant.config import (
+    ACTIVATION_SITES,
+    WEIGHT_SITES,
+    QuantConfig,
+    SiteMode,
+    site_key,
+)
 
 
 def align_expert_guidance(
@@ -80,12 +84,14 @@ class QuantSites:
       valid: bool `[B, T]`, real (non-padding) positions; only these count and get guidance.
       differentiable: use the straight-through `fake_quant` (trainer); else plain
         quantize/dequantize (rollout). Both give the same values.
-      kernel_backend: rollout only: "pallas" quantizes FP4 activation and KV sites with the fused
-        Pallas quantize + capture kernel (identical codes), "xla" with `trace_jax.fp4`.
+      implementation: the forward call's kernels, "xla" or "pallas" (the model reads it here,
+        `trace_jax.models.site_implementation`). "pallas" is rollout only: FP4 activation and KV
+        sites quantize with the fused quantize + capture op (identical codes; `kernel_order`),
+        the packed KV cache is read by the FP4 decode-attention op; "xla": `trace_jax.fp4`.
       residual_fraction: rollout only (QUADS): per token, the fraction of activation channels
         with the largest quantization error whose residual gets a second FP4 pass that is added
         back (residual activation compensation). 0 disables it.
-      packed_experts: rollout with kernel_backend="pallas": layer -> `PackedExperts` (see
+      packed_experts: rollout with implementation="pallas": layer -> `PackedExperts` (see
         `trace_jax.models.moe.pack_experts`), the expert weights quantized and packed once per
         policy version; those layers run the Pallas FP4 MoE matmul on them instead of
         fake-quantizing the weights every step.
@@ -103,7 +109,7 @@ class QuantSites:
         capture: Iterable[str] = (),
         valid: jax.Array | None = None,
         differentiable: bool = True,
-        kernel_backend: str = "xla",
+        implementation: str | Implementation = "xla",
         residual_fraction: float = 0.0,
         packed_experts: Mapping[int, object] | None = None,
     ):
@@ -116,30 +122,36 @@ class QuantSites:
         self.capture = frozenset(capture)
         self.valid = valid
         self.differentiable = differentiable
-        if kernel_backend not in ("xla", "pallas"):
-            raise ValueError(f"kernel_backend must be 'xla' or 'pallas', got {kernel_backend!r}")
-        if kernel_backend == "pallas" and differentiable:
-            raise ValueError("the Pallas quantize kernel serves the rollout (differentiable=False)")
-        self.kernel_backend = kernel_backend
+        if implementation not in [i.value for i in Implementation]:
+            raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+        self._implementation = Implementation(implementation)
+        if self._implementation is Implementation.PALLAS and differentiable:
+            raise ValueError("the Pallas kernels serve the rollout (differentiable=False)")
         if not 0.0 <= residual_fraction <= 1.0:
             raise ValueError(f"residual_fraction must be in [0, 1], got {residual_fraction}")
         if residual_fraction and differentiable:
             raise ValueError("residual compensation is a rollout feature (differentiable=False)")
         self.residual_fraction = residual_fraction
-        if packed_experts and (kernel_backend != "pallas" or residual_fraction):
+        pallas = self._implementation is Implementation.PALLAS
+        if packed_experts and (not pallas or residual_fraction):
             raise ValueError(
-                "packed_experts feed the Pallas FP4 MoE kernel: kernel_backend='pallas' and no "
+                "packed_experts feed the Pallas FP4 MoE kernel: implementation='pallas' and no "
                 "residual compensation"
             )
         self.packed_experts = dict(packed_experts or {})
         self.captured: dict[str, QTensor] = {}
-        self._fused: dict = {}  # key -> the fused Pallas pass's QuantizedCapture
+        self._fused: dict[str, QuantizedCapture] = {}  # key -> the fused pass's outputs
         self.stats: dict[str, dict[str, jax.Array]] = {}
         self.coverage: dict[str, dict[str, jax.Array]] = {}
         if self.mode is SiteMode.GUIDED:
             missing = sorted(self.guided_keys - set(self.guidance))
             if missing:
                 raise ValueError(f"guided mode: no rollout guidance for sites {missing}")
+
+    @property
+    def implementation(self) -> Implementation:
+        """The forward call's kernels (fixed at construction): XLA or PALLAS."""
+        return self._implementation
 
     def _aligned(self, g: Guidance, name: str, layer: int, experts) -> Guidance:
         if name != "expert_mid":
@@ -192,10 +204,8 @@ class QuantSites:
         q = None
         if self.differentiable:
             y = fp4.fake_quant(x, fmt, rounding=rounding, guidance=g)
-        elif self.kernel_backend == "pallas" and fmt.is_fp4 and g is None:
-            from kernels_pallas.fp4_quantize import fp4_quantize
-
-            fused = fp4_quantize(x, fmt, backend="pallas")
+        elif self._implementation is Implementation.PALLAS and fmt.is_fp4 and g is None:
+            fused = fp4_quantize(x, fmt, implementation=kernel_order(self._implementation))
             if key in self.capture:
                 self._fused[key] = fused
             q = fused.qtensor()

@@ -1,8 +1,21 @@
-"""RL update: GRPO advantages, policy losses (PPO-clip + truncated IS, TBPO), gap metrics,
-the `GRPOConfig` and its optimizer, and the registry of compared methods."""
+"""RL of FP4 policies: GRPO advantages, policy losses (PPO-clip + truncated IS, TBPO), gap
+metrics, the `GRPOConfig` and its optimizer, the registry of compared methods, and the pipeline
+as objects: `ExperimentConfig`, `RLLoop` (rollout worker + trainer), `run_sft`."""
 
 from trace_jax.rl.advantages import ADVANTAGES, get_advantage_fn, grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer, make_schedule
+from trace_jax.rl.experiment import (
+    DisaggregatedConfig,
+    EvalConfig,
+    ExperimentConfig,
+    MeshConfig,
+    ModelSpec,
+    RLConfig,
+    SFTConfig,
+    TaskConfig,
+    experiment_config_dict,
+)
+from trace_jax.rl.loop import RLLoop, RolloutBatch, step_problems
 from trace_jax.rl.losses import (
     AGGREGATIONS,
     LOSSES,
@@ -16,28 +29,39 @@ from trace_jax.rl.losses import (
     truncated_is_weight,
 )
 from trace_jax.rl.methods import (
-    FORMAT_PRESETS,
     METHODS,
     Method,
     MethodSetup,
     bind_loss,
-    deeper_layers,
     get_method,
-    quant_preset,
+    register_method,
 )
+from trace_jax.rl.sft import run_sft, sft_or_reuse
+from trace_jax.rl.workers import RolloutWorker, Trainer
 
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
-    "FORMAT_PRESETS",
     "LOSSES",
     "METHODS",
+    "DisaggregatedConfig",
+    "EvalConfig",
+    "ExperimentConfig",
     "GRPOConfig",
+    "MeshConfig",
     "Method",
     "MethodSetup",
+    "ModelSpec",
+    "RLConfig",
+    "RLLoop",
+    "RolloutBatch",
+    "RolloutWorker",
+    "SFTConfig",
+    "TaskConfig",
+    "Trainer",
     "aggregate",
     "bind_loss",
-    "deeper_layers",
+    "experiment_config_dict",
     "get_advantage_fn",
     "get_loss_fn",
     "get_method",
@@ -48,7 +72,10 @@ __all__ = [
     "make_schedule",
     "masked_mean",
     "ppo_clip_loss",
-    "quant_preset",
+    "register_method",
+    "run_sft",
+    "sft_or_reuse",
+    "step_problems",
     "tbpo_loss",
     "truncated_is_weight",
 ]

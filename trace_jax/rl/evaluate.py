@@ -12,6 +12,7 @@ from flax import nnx
 from trace_jax import tasks
 from trace_jax.models import Qwen3MoE
 from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.rl.experiment import EvalConfig
 from trace_jax.rollout import SamplingConfig, generate
 
 
@@ -58,3 +59,30 @@ def evaluate_pass_at_1(
     responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
     rewards = tasks.batch_rewards(repeated, responses)
     return float(tasks.pass_at_1(np.asarray(rewards).reshape(len(problems), k)))
+
+
+def pass_at_1_by_split(
+    model: Qwen3MoE,
+    config: EvalConfig,
+    keys: Sequence[jax.Array],
+    *,
+    qcfg: QuantConfig | None = None,
+    mode: SiteMode = SiteMode.OFF,
+) -> dict[str, float]:
+    """Split -> pass@1 (`evaluate_pass_at_1`) on the first `config.problems_per_split` problems
+    of each of `config.splits`, split i sampled with `keys[i]`."""
+    if len(keys) != len(config.splits):
+        raise ValueError(f"{len(keys)} PRNG keys for {len(config.splits)} splits")
+    return {
+        name: evaluate_pass_at_1(
+            model,
+            tasks.eval_split(name)[: config.problems_per_split],
+            key,
+            k=config.k,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            qcfg=qcfg,
+            mode=mode,
+        )
+        for name, key in zip(config.splits, keys, strict=True)
+    }

@@ -24,6 +24,8 @@ TBPO (QaRL's trust-band objective, sequence level):
 Every function takes a response mask `mask` (bool/float [B, S]); positions outside it never
 contribute, whatever they hold (their values are replaced before any exp, so no NaN leaks into
 gradients). Every loss returns `(loss, metrics)`, ready for `jax.value_and_grad(has_aux=True)`.
+The losses take every hyper-parameter as a required keyword: their values are defined once, in
+`trace_jax.rl.GRPOConfig` (`GRPOConfig.loss_kwargs`, bound by `bind_loss`).
 
 Axis legend: B sequences, S slots (prompt + response, response tokens under `mask`).
 """
@@ -157,12 +159,12 @@ def ppo_clip_loss(
     advantages: jax.Array,
     mask: jax.Array,
     logp_ref: jax.Array | None = None,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    is_cap: float | None = 5.0,
-    beta: float = 0.0,
-    dual_clip: float | None = None,
-    aggregation: str = "token_mean",
+    clip_eps_low: float,
+    clip_eps_high: float,
+    is_cap: float | None,
+    beta: float,
+    dual_clip: float | None,
+    aggregation: str,
 ) -> tuple[jax.Array, Metrics]:
     """GRPO/PPO clipped token loss with truncated IS against the rollout (see the module doc).
 
@@ -226,13 +228,13 @@ def tbpo_loss(
     advantages: jax.Array,
     mask: jax.Array,
     logp_ref: jax.Array | None = None,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    is_cap: float | None = 5.0,
-    beta: float = 0.0,
-    dual_clip: float = 3.0,
-    band: tuple[float, float] = (0.2, 5.0),
-    aggregation: str = "token_mean",
+    clip_eps_low: float,
+    clip_eps_high: float,
+    is_cap: float | None,
+    beta: float,
+    dual_clip: float,
+    band: tuple[float, float],
+    aggregation: str,
 ) -> tuple[jax.Array, Metrics]:
     """QaRL's Trust-Band Policy Optimization: sequence-level ratio, dual clip, trust band.
 

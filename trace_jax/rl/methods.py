@@ -1,7 +1,8 @@
 """The compared methods (SPEC 7) as data: how each one quantizes the rollout and the trainer.
 
-A `Method` is format-free; `Method.setup(fmt, n_layers)` resolves it for one FP4 recipe
-("nvfp4", "mxfp4_w4a4", "mxfp4_w4a8") and one model depth into a `MethodSetup`, whose fields
+A `Method` is format-free; `Method.setup(fmt, n_layers)` resolves it for one FP4 recipe of
+`trace_jax.quant.QUANT_RECIPES` ("nvfp4", "mxfp4_w4a4", "mxfp4_w4a8", or any registered one) and
+one model depth into a `MethodSetup`, whose fields
 go straight to the rollout (`trace_jax.rollout.generate`: qcfg, mode, capture, capture_mode) and
 to the trainer (`trace_jax.train.train_forward`: qcfg, mode; the loss via `loss_fn`).
 
@@ -13,65 +14,30 @@ to the trainer (`trace_jax.train.train_forward`: qcfg, mode; the loss via `loss_
 | quads      | W4A4 + residual comp.   | RTN fake quant, expert weights only  | ppo_clip |
 | trace      | FP4 RTN, compact capture, deeper half | GUIDED                 | ppo_clip |
 | trace_full | FP4 RTN, full capture, all layers     | GUIDED                 | ppo_clip |
+
+`METHODS` is open: `register_method(Method(...))` adds a method that every entry point can then
+name (`rl.method`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Callable
 from typing import Any
 
 from trace_jax.fp4 import GuidanceMode
-from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.quant import (
+    LayerSpec,
+    QuantConfig,
+    SiteMode,
+    parse_layer_spec,
+    quant_recipe,
+    resolve_layers,
+)
 from trace_jax.rl.config import GRPOConfig
-from trace_jax.rl.losses import LOSSES, LossFn
-
-# FP4 recipe name -> QuantConfig preset (`trace_jax.quant.QuantConfig` classmethods).
-FORMAT_PRESETS: dict[str, Callable[..., QuantConfig]] = {
-    "nvfp4": QuantConfig.nvfp4,
-    "mxfp4_w4a4": QuantConfig.mxfp4_w4a4,
-    "mxfp4_w4a8": QuantConfig.mxfp4_w4a8,
-}
+from trace_jax.rl.losses import LOSSES, LossFn, get_loss_fn
 
 _QCFG_FIELDS = frozenset(f.name for f in dataclasses.fields(QuantConfig))
-
-
-def quant_preset(fmt: str, **overrides) -> QuantConfig:
-    """The QuantConfig preset called `fmt`, with field overrides."""
-    if fmt not in FORMAT_PRESETS:
-        raise ValueError(f"unknown FP4 recipe {fmt!r}; expected one of {sorted(FORMAT_PRESETS)}")
-    return FORMAT_PRESETS[fmt](**overrides)
-
-
-def deeper_layers(n_layers: int, fraction: float) -> tuple[int, ...]:
-    """The deepest `fraction` of `n_layers` layers (0.5: the deeper half, as `QuantConfig`)."""
-    if n_layers < 1:
-        raise ValueError(f"n_layers must be >= 1; got {n_layers}")
-    start = math.floor(n_layers * (1.0 - fraction) + 1e-9)
-    return tuple(range(min(start, n_layers - 1), n_layers))
-
-
-LAYER_FRACTIONS = {"all": 1.0, "half": 0.5, "quarter": 0.25, "eighth": 0.125}
-
-
-def layers_from_spec(spec: str, n_layers: int) -> tuple[int, ...]:
-    """Guided layers from a flag/config value: "all" | "half" | "quarter" | "eighth" (the
-    deepest fraction, as `deeper_layers`) or a comma-separated list of layer indices."""
-    if spec in LAYER_FRACTIONS:
-        return deeper_layers(n_layers, LAYER_FRACTIONS[spec])
-    try:
-        layers = tuple(int(s) for s in spec.split(","))
-    except ValueError:
-        raise ValueError(
-            f"guided layers must be one of {sorted(LAYER_FRACTIONS)} or a comma list of ints, "
-            f"got {spec!r}"
-        ) from None
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise ValueError(f"guided layers {bad} out of range for a {n_layers}-layer model")
-    return layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,8 +76,9 @@ class Method:
       trainer_mode: SiteMode.OFF, RTN (fake quant with own scales) or GUIDED (TRACE).
       loss: a key of `LOSSES` ("ppo_clip" or "tbpo").
       guidance: how the rollout records its rounding decisions (None: it records nothing).
-      guided_fraction: the deepest fraction of layers with guidance (0.5: the paper's last 20 of
-        40 layers; 1.0: all layers).
+      guided_layers: the layers with guidance, a spec of `trace_jax.quant.resolve_layers`
+        ("half": the paper's last 20 of 40 layers; "all"; "0,3"; a sequence of ints), held in
+        `parse_layer_spec`'s canonical form.
       trainer_overrides: QuantConfig field overrides for the trainer only, as (field, value) pairs
         (QUADS: activations and KV cache bf16 in the trainer).
       rollout_residual_channels: QUADS' residual activation compensation in the rollout: the
@@ -125,7 +92,7 @@ class Method:
     trainer_mode: SiteMode
     loss: str
     guidance: GuidanceMode | None = None
-    guided_fraction: float = 0.5
+    guided_layers: LayerSpec = "half"
     trainer_overrides: tuple[tuple[str, Any], ...] = ()
     rollout_residual_channels: float = 0.0
 
@@ -144,8 +111,10 @@ class Method:
             raise ValueError(f"{self.name}: only an FP4 (RTN) rollout can record guidance")
         if self.rollout_mode is SiteMode.OFF and self.trainer_mode is not SiteMode.OFF:
             raise ValueError(f"{self.name}: a bf16 rollout goes with a bf16 (OFF) trainer")
-        if not 0.0 < self.guided_fraction <= 1.0:
-            raise ValueError(f"{self.name}: guided_fraction must be in (0, 1]")
+        try:
+            object.__setattr__(self, "guided_layers", parse_layer_spec(self.guided_layers))
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
         bad = sorted({k for k, _ in self.trainer_overrides} - _QCFG_FIELDS)
         if bad:
             raise ValueError(f"{self.name}: trainer_overrides {bad} are not QuantConfig fields")
@@ -153,30 +122,31 @@ class Method:
             raise ValueError(f"{self.name}: rollout_residual_channels must be in [0, 1)")
 
     def quant_configs(
-        self, fmt: str, n_layers: int, *, guided_layers: tuple[int, ...] | None = None
+        self, fmt: str, n_layers: int, *, guided_layers: LayerSpec | None = None
     ) -> tuple[QuantConfig, QuantConfig]:
         """`(rollout_qcfg, trainer_qcfg)` for the recipe `fmt` and an `n_layers` model.
 
-        `guided_layers` overrides the guided layers (e.g. the ablation's last 10 or 5 layers).
+        `guided_layers` overrides the method's guided-layer spec (e.g. the ablation's "quarter"
+        or "eighth"); None keeps the method's own. Both configs hold the resolved layer indices,
+        so equal layers give equal configs whichever spec named them.
         """
-        quant_preset(fmt)  # validates fmt, for bf16 too
+        quant_recipe(fmt)  # validates fmt, for bf16 too
         if self.rollout_mode is SiteMode.OFF:
             return QuantConfig.bf16(), QuantConfig.bf16()
-        if guided_layers is None:
-            guided_layers = deeper_layers(n_layers, self.guided_fraction)
+        spec = self.guided_layers if guided_layers is None else guided_layers
         extra = {
-            "guided_layers": tuple(guided_layers),
+            "guided_layers": resolve_layers(spec, n_layers),
             "guidance_mode": self.guidance or GuidanceMode.COMPACT,
         }
-        rollout = quant_preset(fmt, **extra)
-        rollout.layers_guided(n_layers)  # raises on out-of-range guided layers
-        trainer = quant_preset(fmt, **(extra | dict(self.trainer_overrides)))
+        rollout = quant_recipe(fmt, **extra)
+        trainer = quant_recipe(fmt, **(extra | dict(self.trainer_overrides)))
         return rollout, trainer
 
     def setup(
-        self, fmt: str, n_layers: int, *, guided_layers: tuple[int, ...] | None = None
+        self, fmt: str, n_layers: int, *, guided_layers: LayerSpec | None = None
     ) -> MethodSetup:
-        """This method resolved for the recipe `fmt` and an `n_layers` model."""
+        """This method resolved for the recipe `fmt` and an `n_layers` model (`guided_layers`:
+        as in `quant_configs`)."""
         rollout, trainer = self.quant_configs(fmt, n_layers, guided_layers=guided_layers)
         capture = () if self.guidance is None else rollout.guided_keys(n_layers)
         return MethodSetup(
@@ -200,71 +170,88 @@ class Method:
 
 def bind_loss(name: str, cfg: GRPOConfig) -> LossFn:
     """The loss called `name` with `cfg`'s hyper-parameters bound (see `GRPOConfig.loss_kwargs`)."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}")
-    return functools.partial(LOSSES[name], **cfg.loss_kwargs(name))
+    return functools.partial(get_loss_fn(name), **cfg.loss_kwargs(name))
 
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method(
-            name="bf16",
-            description="BF16 rollout and trainer: no quantization anywhere (reference curve)",
-            rollout_mode=SiteMode.OFF,
-            trainer_mode=SiteMode.OFF,
-            loss="ppo_clip",
-        ),
-        Method(
-            name="fp4_qat",
-            description="vanilla FP4 QAT: FP4 RTN rollout, trainer RTN fake quant at all sites",
-            rollout_mode=SiteMode.RTN,
-            trainer_mode=SiteMode.RTN,
-            loss="ppo_clip",
-        ),
-        Method(
-            name="qarl",
-            description="QaRL: trainer forward on the rollout's quantized weights and "
-            "activations (STE), TBPO objective",
-            rollout_mode=SiteMode.RTN,
-            trainer_mode=SiteMode.RTN,
-            loss="tbpo",
-        ),
-        Method(
-            name="quads",
-            description="QUADS: trainer fake-quantizes expert weights only (activations bf16); "
-            "W4A4 rollout with residual activation compensation",
-            rollout_mode=SiteMode.RTN,
-            trainer_mode=SiteMode.RTN,
-            loss="ppo_clip",
-            trainer_overrides=(("activation_format", None), ("kv_format", None)),
-            rollout_residual_channels=0.0625,
-        ),
-        Method(
-            name="trace",
-            description="TRACE: compact rollout guidance (mantissa bit + scales) on the deeper "
-            "half, guided trainer fake quant",
-            rollout_mode=SiteMode.RTN,
-            trainer_mode=SiteMode.GUIDED,
-            loss="ppo_clip",
-            guidance=GuidanceMode.COMPACT,
-            guided_fraction=0.5,
-        ),
-        Method(
-            name="trace_full",
-            description="TRACE with full guidance (rollout codes + scales) on every layer",
-            rollout_mode=SiteMode.RTN,
-            trainer_mode=SiteMode.GUIDED,
-            loss="ppo_clip",
-            guidance=GuidanceMode.FULL,
-            guided_fraction=1.0,
-        ),
-    )
-}
+# Name -> method: what `get_method` (and so `rl.method` in the experiment configs) resolves.
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method, *, replace: bool = False) -> Method:
+    """Adds `method` to `METHODS` under `method.name`; returns it.
+
+    Raises TypeError when `method` is not a `Method`, ValueError when its name is registered
+    and not `replace`.
+    """
+    if not isinstance(method, Method):
+        raise TypeError(f"register_method takes a Method; got {method!r}")
+    if method.name in METHODS and not replace:
+        raise ValueError(
+            f"method {method.name!r} is already registered; pass replace=True to redefine it"
+        )
+    METHODS[method.name] = method
+    return method
 
 
 def get_method(name: str) -> Method:
-    """The method called `name` (see `METHODS`)."""
+    """The registered method called `name`."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
     return METHODS[name]
+
+
+for _method in (
+    Method(
+        name="bf16",
+        description="BF16 rollout and trainer: no quantization anywhere (reference curve)",
+        rollout_mode=SiteMode.OFF,
+        trainer_mode=SiteMode.OFF,
+        loss="ppo_clip",
+    ),
+    Method(
+        name="fp4_qat",
+        description="vanilla FP4 QAT: FP4 RTN rollout, trainer RTN fake quant at all sites",
+        rollout_mode=SiteMode.RTN,
+        trainer_mode=SiteMode.RTN,
+        loss="ppo_clip",
+    ),
+    Method(
+        name="qarl",
+        description="QaRL: trainer forward on the rollout's quantized weights and "
+        "activations (STE), TBPO objective",
+        rollout_mode=SiteMode.RTN,
+        trainer_mode=SiteMode.RTN,
+        loss="tbpo",
+    ),
+    Method(
+        name="quads",
+        description="QUADS: trainer fake-quantizes expert weights only (activations bf16); "
+        "W4A4 rollout with residual activation compensation",
+        rollout_mode=SiteMode.RTN,
+        trainer_mode=SiteMode.RTN,
+        loss="ppo_clip",
+        trainer_overrides=(("activation_format", None), ("kv_format", None)),
+        rollout_residual_channels=0.0625,
+    ),
+    Method(
+        name="trace",
+        description="TRACE: compact rollout guidance (mantissa bit + scales) on the deeper "
+        "half, guided trainer fake quant",
+        rollout_mode=SiteMode.RTN,
+        trainer_mode=SiteMode.GUIDED,
+        loss="ppo_clip",
+        guidance=GuidanceMode.COMPACT,
+        guided_layers="half",
+    ),
+    Method(
+        name="trace_full",
+        description="TRACE with full guidance (rollout codes + scales) on every layer",
+        rollout_mode=SiteMode.RTN,
+        trainer_mode=SiteMode.GUIDED,
+        loss="ppo_clip",
+        guidance=GuidanceMode.FULL,
+        guided_layers="all",
+    ),
+):
+    register_method(_method)
+del _method

@@ -7,6 +7,8 @@ unchanged: they run on whatever placement their inputs carry (inside `jax.set_me
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -32,18 +34,22 @@ def _param_sharding(mesh, path, x) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def _shard_state(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+    state = nnx.state(module)
+    shardings = jax.tree_util.tree_map_with_path(lambda p, x: _param_sharding(mesh, p, x), state)
+    nnx.update(module, jax.device_put(state, shardings))
+
+
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     """Places `model`'s state on `mesh` in place: routed expert weights split along E."""
-    state = nnx.state(model)
-    shardings = jax.tree_util.tree_map_with_path(lambda p, x: _param_sharding(mesh, p, x), state)
-    nnx.update(model, jax.device_put(state, shardings))
+    _shard_state(model, mesh)
 
 
 def shard_optimizer(optimizer: nnx.Optimizer, model: nnx.Module, mesh) -> None:
-    """Places the optimizer state like the parameters it tracks (moments follow their params)."""
-    state = nnx.state(optimizer)
-    shardings = jax.tree_util.tree_map_with_path(lambda p, x: _param_sharding(mesh, p, x), state)
-    nnx.update(optimizer, jax.device_put(state, shardings))
+    """Places the optimizer state like the parameters it tracks (moments follow their params:
+    they have the same paths below the optimizer's, so `model` is not consulted)."""
+    del model
+    _shard_state(optimizer, mesh)
 
 
 def shard_batch(tree, mesh: jax.sharding.Mesh, batch_size: int):
@@ -56,3 +62,29 @@ def shard_batch(tree, mesh: jax.sharding.Mesh, batch_size: int):
         return jax.device_put(x, NamedSharding(mesh, P("data") if lead else P()))
 
     return jax.tree.map(place, tree)
+
+
+def experiment_mesh(data: int, expert: int) -> jax.sharding.Mesh | None:
+    """The (data, expert) mesh of a run, or None for 1 x 1 (one device, no sharding)."""
+    return None if data * expert == 1 else make_mesh(data, expert)
+
+
+def place_state(module: nnx.Module, mesh: jax.sharding.Mesh | None) -> None:
+    """Places a model's or optimizer's state in place: on `mesh` (routed expert weights and
+    their moments split along E), or without a mesh committed to the first device, as a
+    restored checkpoint is, so that every jitted step compiles once."""
+    if mesh is not None:
+        _shard_state(module, mesh)
+    else:
+        nnx.update(module, jax.device_put(nnx.state(module), jax.devices()[0]))
+
+
+def place_batch(tree, mesh: jax.sharding.Mesh | None, batch_size: int):
+    """`tree` on the device(s): arrays whose leading axis is `batch_size` split along "data",
+    the rest replicated (no mesh: on the default device)."""
+    return jax.device_put(tree) if mesh is None else shard_batch(tree, mesh, batch_size)
+
+
+def mesh_context(mesh: jax.sharding.Mesh | None):
+    """The context jitted steps run in: `jax.set_mesh(mesh)`, or nothing without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

@@ -123,7 +123,7 @@ def pack_rows(leaves: list[jax.Array]) -> jax.Array:
     Returns uint8 [B, total bytes]. A decode step records ~50 small arrays (expert choices; the
     payload, scales and global scale of every captured site); written one by one into their
     buffers they cost one GPU kernel each: +7.5-10% of a `small` decode step on the H200, and no
-    measurable cost once packed (`experiments/results/kernels_findings.md` item 9).
+    measurable cost once packed.
     """
     parts = []
     for a in leaves:
@@ -161,7 +161,7 @@ def _captures(sites: QuantSites, mode: GuidanceMode) -> dict[str, Guidance]:
         "mode",
         "capture",
         "capture_mode",
-        "kernel_backend",
+        "implementation",
         "residual_fraction",
     ),
 )
@@ -177,7 +177,7 @@ def generate(
     mode: SiteMode = SiteMode.RTN,
     capture: tuple[str, ...] = (),
     capture_mode: GuidanceMode = GuidanceMode.COMPACT,
-    kernel_backend: str = "xla",
+    implementation: str = "xla",
     residual_fraction: float = 0.0,
 ) -> Rollout:
     """Samples `sampling.max_new_tokens` tokens after each right-padded prompt.
@@ -190,10 +190,11 @@ def generate(
       qcfg, mode: the FP4 recipe and SiteMode.RTN (FP4 rollout) or SiteMode.OFF (BF16 rollout).
       capture: site keys whose rounding decisions to record (e.g. `qcfg.guided_keys(L)`).
       capture_mode: "compact" or "full" guidance.
-      kernel_backend: "xla", or "pallas" for the Pallas FP4 kernels (fused quantize + capture at
-        the FP4 sites and KV writes, FP4 decode attention over the packed cache, and the FP4 MoE
-        matmul over expert weights packed once per call); both record identical codes and
-        guidance where their inputs agree.
+      implementation: "xla" (plain XLA), or "pallas" for the Pallas FP4 kernel ops (fused
+        quantize + capture at the FP4 sites and KV writes, FP4 decode attention over the packed
+        cache, and the FP4 MoE matmul over expert weights packed once per call; interpret mode
+        off the GPU); both record identical codes and guidance where their inputs agree. It
+        reaches the model through the sites (`QuantSites(implementation=...)`).
       residual_fraction: QUADS' residual activation compensation (see `QuantSites`); 0 = off.
     """
     model: Qwen3MoE = nnx.merge(graphdef, params)
@@ -213,7 +214,7 @@ def generate(
     # them with other scales): their experts run ragged_dot on those values, and attention and
     # activation quantization still use the Pallas kernels.
     if (
-        kernel_backend == "pallas"
+        implementation == "pallas"
         and mode is SiteMode.RTN
         and not residual_fraction
         and not qcfg.weights_prequantized
@@ -227,16 +228,14 @@ def generate(
             mode,
             capture=capture,
             differentiable=False,
-            kernel_backend=kernel_backend,
+            implementation=implementation,
             residual_fraction=residual_fraction,
             packed_experts=packed_experts,
         )
 
     # Prefill the prompts.
     kv_format = qcfg.kv_format if mode is SiteMode.RTN else None
-    cache = init_cache(
-        cfg, batch=b, max_len=s_total, kv_format=kv_format, kernel_backend=kernel_backend
-    )
+    cache = init_cache(cfg, batch=b, max_len=s_total, kv_format=kv_format)
     sites = new_sites()
     logits, aux, cache = prefill(model, cache, prompts, prompt_lengths, site=sites)
     prompt_slots = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))

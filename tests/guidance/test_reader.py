@@ -1,0 +1,101 @@
+"""GuidanceReader: damaged entries are detected and never used, missing entries raise or fall back
+to RTN (counted), and an entry is read back bit for bit."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests.guidance.support import (
+    RUN,
+    assert_same_guidance,
+    file_store,
+    numpy_guidance,
+    shard_file,
+)
+from trace_jax.guidance import GuidanceCorruptError, GuidanceMissingError, GuidanceStore
+
+
+def test_round_trip_in_memory(rollout_guidance):
+    with GuidanceStore.in_memory() as store:
+        result = store.write(RUN, 7, rollout_guidance, policy_version=3, micro_batch=2)
+        assert result.nbytes == sum(g.nbytes for g in rollout_guidance.values()) + sum(
+            g.mask.size for g in rollout_guidance.values() if g.mask is not None
+        )
+        got = store.read(RUN, 7, micro_batch=2, expected_version=3)
+        assert_same_guidance(rollout_guidance, got)
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(got))
+        # A subset of sites.
+        sub = store.read(RUN, 7, micro_batch=2, expected_version=3, sites=["3/k"])
+        assert list(sub) == ["3/k"]
+        assert store.entries(RUN) == [(7, 2)]
+        assert store.read_manifest(RUN, 7, 2)["policy_version"] == 3
+        prefetched = store.read_async(RUN, 7, micro_batch=2, expected_version=3)
+        assert_same_guidance(rollout_guidance, prefetched.result(timeout=30))
+
+
+def test_corruption_is_detected_not_used(tmp_path):
+    with file_store(tmp_path) as store:
+        for step in range(4):
+            store.write(RUN, step, numpy_guidance(step), policy_version=0)
+
+        # 1. A flipped byte inside an inner chunk: the chunk's crc32c fails.
+        shard = shard_file(tmp_path, 0, "20/k", "payload")
+        raw = bytearray(shard.read_bytes())
+        raw[3] ^= 0x5A
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(GuidanceCorruptError, match=r"step=0.*20%2Fk/payload.*DATA_LOSS"):
+            store.read(RUN, 0, expected_version=0)
+
+        # 2. A flipped byte in the shard index (at the end of the shard file).
+        shard = shard_file(tmp_path, 1, "20/expert_in", "scales")
+        raw = bytearray(shard.read_bytes())
+        raw[-6] ^= 0x01
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(GuidanceCorruptError, match="step=1"):
+            store.read(RUN, 1, expected_version=0)
+
+        # 3. A valid shard swapped in from another entry: caught end to end by the leaf crc32.
+        shard_file(tmp_path, 2, "20/k", "payload").write_bytes(
+            shard_file(tmp_path, 3, "20/k", "payload").read_bytes()
+        )
+        with pytest.raises(GuidanceCorruptError, match="crc32"):
+            store.read(RUN, 2, expected_version=0)
+
+        # 4. A deleted shard (zarr would otherwise read the fill value).
+        shard_file(tmp_path, 3, "20/k", "mask").unlink()
+        with pytest.raises(GuidanceCorruptError, match="NOT_FOUND"):
+            store.read(RUN, 3, expected_version=0)
+
+        # 5. An edited manifest (version bumped by hand): its digest fails.
+        store.write(RUN, 4, numpy_guidance(4), policy_version=0)
+        manifest = tmp_path / RUN / "step_0000000004" / "mb_00000" / "manifest.json"
+        manifest.write_text(
+            manifest.read_text().replace('"policy_version": 0', '"policy_version": 1')
+        )
+        with pytest.raises(GuidanceCorruptError, match=r"manifest.*digest"):
+            store.read(RUN, 4, expected_version=1)
+
+        # The counted RTN fallback, when asked for.
+        assert store.read(RUN, 0, expected_version=0, fallback="rtn") is None
+        assert store.fallback_count == 1 and store.fallbacks == {"corrupt": 1}
+
+
+def test_missing_raises_or_falls_back_counted():
+    store = GuidanceStore.in_memory(fallback="rtn")
+    with pytest.raises(GuidanceMissingError, match=r"run='run-a', step=3, micro_batch=1"):
+        store.read(RUN, 3, micro_batch=1, expected_version=0, fallback="error")
+    t0 = time.perf_counter()
+    assert store.read(RUN, 3, micro_batch=1, expected_version=0, timeout_s=0.1) is None
+    assert time.perf_counter() - t0 >= 0.1
+    store.write(RUN, 3, numpy_guidance(0), policy_version=0)
+    with pytest.raises(GuidanceMissingError, match=r"no guidance for sites \['9/k'\]"):
+        store.read(RUN, 3, expected_version=0, sites=["9/k"], fallback="error")
+    assert store.read(RUN, 3, expected_version=0, sites=["9/k"]) is None
+    assert store.fallback_count == 2 and store.fallbacks == {"missing": 2}
+    assert store.read(RUN, 3, expected_version=0) is not None
+    assert store.fallback_count == 2
+    store.close()

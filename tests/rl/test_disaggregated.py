@@ -1,0 +1,123 @@
+"""Rollout and trainer linked only by the workdir (policy checkpoints, rollout batches, the
+guidance store) reproduce the single-process loop; a lagging rollout trains stale guidance
+within max_staleness. The two sides run as two threads here: they share nothing but files, as
+two processes would (`experiments/disaggregated.py` starts them as processes)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import time
+import types
+
+import jax
+import numpy as np
+
+from tests import tiny
+from trace_jax import fp4
+from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.rl import disaggregated
+from trace_jax.rl.disaggregated import load_rollout, run_rollout, run_trainer, save_rollout
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.loop import RLLoop
+from trace_jax.rl.workers import RolloutBatch, RolloutWorker, init_policy
+
+
+def _config(lag: int = 0, **rl) -> ExperimentConfig:
+    """The shapes of `tests/rl/test_loop.py`'s runs (compiled steps are shared)."""
+    cd = tiny.experiment_config()
+    cd.rl.update(
+        steps=3,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=8,
+        eval_every=0,
+        learning_rate=1e-2,
+        mismatch_every=0,
+    )
+    cd.rl.update(rl)
+    cd.disaggregated.update(lag=lag, timeout_s=120.0)
+    return ExperimentConfig.from_config_dict(cd)
+
+
+def _run_both(config: ExperimentConfig, workdir: str) -> tuple[list[dict], list[dict]]:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        trainer = pool.submit(run_trainer, config, workdir)
+        rollout = pool.submit(run_rollout, config, workdir)
+        concurrent.futures.wait([trainer, rollout], return_when="FIRST_EXCEPTION")
+        return trainer.result(), rollout.result()
+
+
+def test_two_sides_reproduce_the_single_process_loop(tmp_path):
+    trainer, rollout = _run_both(_config(), str(tmp_path / "dis"))
+    single = RLLoop(_config(), str(tmp_path / "one")).run()
+    assert [r["step"] for r in trainer] == [0, 1, 2]
+    assert [r["policy_version"] for r in rollout] == [0, 1, 2]
+    for a, b in zip(single, trainer, strict=True):
+        for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
+        assert b["guidance_rtn_fallback_rows"] == 0 and b["max_staleness_used"] == 0
+    # Every rollout batch was consumed and every guidance entry garbage-collected.
+    assert not os.listdir(tmp_path / "dis" / "rollouts")
+    store_config = GuidanceStoreConfig(kvstore=str(tmp_path / "dis" / "guidance"))
+    with GuidanceStore(store_config) as store:
+        assert store.entries(_config().rl.run_id) == []
+
+
+def test_lagging_rollout_trains_stale_guidance(tmp_path):
+    trainer, rollout = _run_both(_config(lag=1), str(tmp_path / "lag"))
+    assert [r["policy_version"] for r in rollout] == [0, 0, 1]
+    assert [r["rollout_policy_version"] for r in trainer] == [0, 0, 1]
+    assert [r["max_staleness_used"] for r in trainer] == [0, 1, 1]
+    assert all(r["guidance_rtn_fallback_rows"] == 0 for r in trainer)
+    assert all(np.isfinite(r["loss"]) for r in trainer)
+
+
+def test_rollout_files_round_trip(tmp_path):
+    config = _config()
+    worker = RolloutWorker(config, init_policy(config, None), config.method_setup())
+    batch = worker.rollout(1, policy_version=7)
+    path = str(tmp_path / "r.npz")
+    save_rollout(path, batch)
+    back = load_rollout(path)
+    assert (back.step, back.policy_version) == (1, 7)
+    assert back.rollout.guidance == {} and back.reference is None
+    for k in ("tokens", "prompt_lengths", "lengths", "logprobs", "response_mask", "expert_choices"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(back.rollout, k)), np.asarray(getattr(batch.rollout, k))
+        )
+    assert not [p for p in os.listdir(tmp_path) if p != "r.npz"]  # no temporary file left
+
+
+def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeypatch):
+    config = _config(mini_batches=2)
+    site = {
+        "0/k": fp4.make_guidance(
+            fp4.quantize(jax.random.normal(jax.random.key(0), (2, 32)), "nvfp4")
+        )
+    }
+    sides = types.SimpleNamespace(config=config, setup=types.SimpleNamespace(capture=("0/k",)))
+    worker = types.SimpleNamespace(
+        publish_guidance=functools.partial(RolloutWorker.publish_guidance, sides)
+    )
+    roll = types.SimpleNamespace(
+        tokens=np.zeros((4, 3)), rows=lambda rows: types.SimpleNamespace(guidance=site)
+    )
+    store = GuidanceStore.in_memory()
+    commit = store.writer.commit
+
+    def slow_commit(*a):  # commits well after write_async returned
+        time.sleep(0.3)
+        return commit(*a)
+
+    monkeypatch.setattr(store.writer, "commit", slow_commit)
+    published = []
+    monkeypatch.setattr(
+        disaggregated,
+        "save_rollout",
+        lambda path, b: published.append((os.path.basename(path), store.entries(config.rl.run_id))),
+    )
+    with store:
+        disaggregated.publish_rollout(store, worker, RolloutBatch(5, 10, roll), str(tmp_path))
+    assert published == [("5.npz", [(5, 0), (5, 1)])]  # both entries committed before the batch

@@ -1,0 +1,151 @@
+"""Experiment ConfigDicts become `ExperimentConfig`s in one place, with one set of defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+
+import pytest
+from ml_collections import config_dict
+
+from configs import small_gpu, tiny_cpu
+from trace_jax import tasks
+from trace_jax.models import ModelConfig
+from trace_jax.rl.config import GRPOConfig
+from trace_jax.rl.experiment import (
+    EvalConfig,
+    ExperimentConfig,
+    RLConfig,
+    SFTConfig,
+    TaskConfig,
+    experiment_config_dict,
+)
+from trace_jax.rl.workers import step_problems
+
+CONFIGS = sorted(
+    p.stem
+    for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.py")
+    if p.stem != "__init__"
+)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_experiment_config_converts(name):
+    """Every config with an `rl` section is an experiment config: it converts (the method,
+    recipe, guided layers, splits and task levels it names all resolve)."""
+    cd = importlib.import_module(f"configs.{name}").get_config()
+    if "rl" not in cd:
+        pytest.skip(f"configs/{name}.py is not an experiment config")
+    config = ExperimentConfig.from_config_dict(cd)
+    assert config.rl.method == cd.rl.method and config.rl.grpo.group_size == cd.rl.group_size
+    assert config.method_setup().rollout_qcfg is not None
+
+
+def test_defaults_are_the_dataclasses():
+    """An all-default ConfigDict converts to the all-default config, field by field."""
+    cd = experiment_config_dict()
+    assert ExperimentConfig.from_config_dict(cd) == ExperimentConfig()
+    assert cd.sft.to_dict() == dataclasses.asdict(SFTConfig())
+    assert cd.eval.splits == EvalConfig().splits and cd.tasks.levels == TaskConfig().levels
+    rl = {k: v for k, v in dataclasses.asdict(RLConfig()).items() if k != "grpo"}
+    assert cd.rl.to_dict() == {**rl, **dataclasses.asdict(GRPOConfig())}
+    assert cd.model.init_std == ModelConfig.tiny().init_std and cd.model.n_layers is None
+    # None defaults are typed placeholders: an override of the wrong type is refused.
+    cd.rl.dual_clip = 2.0
+    with pytest.raises(TypeError):
+        cd.model.n_layers = "two"
+
+
+def test_section_overrides_and_unknown_names():
+    cd = experiment_config_dict(seed=3, model={"n_layers": 2}, rl={"steps": 7, "beta": 0.05})
+    config = ExperimentConfig.from_config_dict(cd)
+    assert (config.seed, config.model.n_layers, config.rl.steps) == (3, 2, 7)
+    assert config.rl.grpo.beta == 0.05
+    with pytest.raises(ValueError, match=r"unknown config section\(s\) \['rll'\]"):
+        experiment_config_dict(rll={"steps": 1})
+    with pytest.raises(ValueError, match=r"\['stepz'\] of config section 'rl'"):
+        experiment_config_dict(rl={"stepz": 1})
+
+
+def test_grpo_hyper_parameters_reach_the_grpo_config():
+    cd = tiny_cpu.get_config()
+    cd.rl.update(clip_eps_high=0.28, tbpo_band=(0.1, 4.0), is_cap=None, max_staleness=1)
+    grpo = ExperimentConfig.from_config_dict(cd).rl.grpo
+    assert (grpo.clip_eps_high, grpo.tbpo_band, grpo.is_cap) == (0.28, (0.1, 4.0), None)
+    assert (grpo.max_staleness, grpo.group_size, grpo.learning_rate) == (1, 4, 1e-4)
+
+
+def test_unknown_fields_raise_naming_them_and_other_sections_are_ignored():
+    cd = tiny_cpu.get_config()
+    cd.table = config_dict.ConfigDict({"name": "t", "seeds": (0, 1)})  # a table's own section
+    ExperimentConfig.from_config_dict(cd)
+    cd.rl.clip_eps = 0.3
+    cd.sft.epochs = 2
+    with pytest.raises(ValueError, match=r"\['sft\.epochs', 'rl\.clip_eps'\]"):
+        ExperimentConfig.from_config_dict(cd)
+
+
+def test_model_n_layers_overrides_the_preset_when_set():
+    cd = tiny_cpu.get_config()
+    assert ExperimentConfig.from_config_dict(cd).model.n_layers == 4
+    cd.model.n_layers = 3
+    assert ExperimentConfig.from_config_dict(cd).model.n_layers == 3
+    big = small_gpu.get_config()
+    big.model.n_layers = 2
+    model = ExperimentConfig.from_config_dict(big).model
+    assert (model.n_layers, model.d_model, model.grouped_matmul) == (2, 512, "auto")
+    cd.model.n_layers = 0
+    with pytest.raises(ValueError, match="n_layers"):
+        ExperimentConfig.from_config_dict(cd)
+    cd.model.n_layers = None
+    cd.model.preset = "huge"
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        ExperimentConfig.from_config_dict(cd)
+
+
+def test_guided_layer_spec_reaches_the_method_setup():
+    cd = tiny_cpu.get_config()
+    half = ExperimentConfig.from_config_dict(cd).method_setup().capture
+    cd.rl.guided_layers = "all"
+    every = ExperimentConfig.from_config_dict(cd).method_setup().capture
+    assert {k.split("/")[0] for k in half} == {"2", "3"}
+    assert {k.split("/")[0] for k in every} == {"0", "1", "2", "3"}
+    cd.rl.guided_layers = "0,7"
+    with pytest.raises(ValueError, match="7"):
+        ExperimentConfig.from_config_dict(cd)
+
+
+def test_batch_splits_staleness_and_values_are_checked():
+    cd = tiny_cpu.get_config()  # 8 prompts x 4 samples = 32 rollouts per step
+    cd.mesh.data = 3
+    with pytest.raises(ValueError, match=r"do not split over mesh\.data=3"):
+        ExperimentConfig.from_config_dict(cd)
+    cd.mesh.data = 1
+    cd.rl.update(mini_batches=2, max_staleness=0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        ExperimentConfig.from_config_dict(cd)
+    cd.rl.max_staleness = 2
+    cd.disaggregated.lag = 1  # worst: 1 * 2 + 2 - 1 = 3 versions
+    with pytest.raises(ValueError, match="3 versions stale; max_staleness is 2"):
+        ExperimentConfig.from_config_dict(cd)
+    cd.disaggregated.lag = 0
+    ExperimentConfig.from_config_dict(cd)
+    cd.rl.mini_batches = 3
+    with pytest.raises(ValueError, match="do not split into 3 equal mini-batches"):
+        ExperimentConfig.from_config_dict(cd)
+    with pytest.raises(ValueError, match=r"splits \['aime99'\]"):
+        EvalConfig(splits=("aime24", "aime99"))
+    with pytest.raises(ValueError, match="unknown method 'grpo'"):
+        RLConfig(method="grpo")
+    with pytest.raises(ValueError, match="steps must be >= 1; got 0"):
+        SFTConfig(steps=0)
+
+
+def test_prompts_fit_the_prompt_width():
+    """Every step pads its prompts to `tasks.prompt_width`: no training prompt is longer."""
+    config = ExperimentConfig.from_config_dict(small_gpu.get_config())
+    width = config.tasks.prompt_width
+    lengths = [len(tasks.prompt_ids(p)) for s in range(20) for p in step_problems(config, s, 32)]
+    assert max(lengths) <= width
+    assert config.tasks.sft_row_length > width

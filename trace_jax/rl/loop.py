@@ -1,0 +1,217 @@
+"""`RLLoop`: GRPO with FP4 rollouts and any registered method, in one process; resumable.
+
+  loop = RLLoop(ExperimentConfig.from_config_dict(cd), workdir)
+  history = loop.run()            # rerun on the same workdir to resume after a kill
+
+Each step: sample `prompts_per_step` training problems x `group_size` with the method's rollout
+recipe (FP4 W/A/KV for the FP4 methods) while capturing guidance (`RolloutWorker`), pass the
+guidance through the tensorstore guidance store (written asynchronously, read back verified and
+version-checked; the writes run behind the reward scoring), score the responses and run the
+method's GRPO update (`Trainer`). Rollout and trainer share one model here; the disaggregated
+runner (`trace_jax.rl.disaggregated`) runs them as two processes.
+
+Writes into `workdir`: `rl_metrics.jsonl` (per step: reward, response length, train-rollout
+log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, code mismatch on
+mismatch-measuring steps, time split into rollout / guidance I/O / training), `rl_eval.jsonl`
+(pass@1 per split every `eval_every` steps), TensorBoard scalars of both under `tensorboard/`,
+orbax checkpoints `rl_checkpoints/` and the guidance store `guidance/`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+from tqdm import tqdm
+
+from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.rl.checkpoint import checkpoint_manager, restore_train_state, save_train_state
+from trace_jax.rl.evaluate import pass_at_1_by_split
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.metrics_log import MetricsLog, drop_rows_from
+from trace_jax.rl.sharding import experiment_mesh
+from trace_jax.rl.workers import (
+    RolloutBatch,
+    RolloutWorker,
+    Trainer,
+    init_policy,
+    step_problems,
+)
+
+__all__ = ["RLLoop", "RolloutBatch", "step_problems"]
+
+log = logging.getLogger(__name__)
+
+
+class RLLoop:
+    """The learner: owns the policy, the optimizer, the guidance store and the checkpoints, and
+    runs rollout -> store -> update steps.
+
+    Attributes:
+      config: the `ExperimentConfig`. workdir: where the run's state goes (module docstring).
+      mesh: the (data, expert) device mesh of `config.mesh`, or None on one device.
+      setup: the method resolved for the recipe and model (`MethodSetup`).
+      model: the policy (NNX), initialized from `config.rl.init_from` when set.
+      optimizer: its `nnx.Optimizer`. store: the run's `GuidanceStore`.
+      rollout_worker, trainer: the two sides of a step, sharing `model`.
+      checkpoints: the orbax `CheckpointManager` of `rl_checkpoints/`.
+    """
+
+    def __init__(self, config: ExperimentConfig, workdir: str):
+        self.config = config
+        self.workdir = os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.mesh = experiment_mesh(config.mesh.data, config.mesh.expert)
+        self.setup = config.method_setup()
+        self.model = init_policy(config, self.mesh)
+        self.rollout_worker = RolloutWorker(config, self.model, self.setup, self.mesh)
+        self.trainer = Trainer(config, self.model, self.setup, self.mesh)
+        self.optimizer = self.trainer.optimizer
+        self.store = GuidanceStore(
+            GuidanceStoreConfig(kvstore=os.path.join(self.workdir, "guidance"))
+        )
+        self.checkpoints = checkpoint_manager(
+            os.path.join(self.workdir, "rl_checkpoints"), config.rl.checkpoint_every
+        )
+
+    def restore(self) -> int:
+        """Restores the model and optimizer from the last checkpoint, if any; returns the first
+        step to run (0, or that checkpoint's step + 1)."""
+        last = self.checkpoints.latest_step()
+        if last is None:
+            return 0
+        restore_train_state(self.checkpoints, last, self.model, self.optimizer)
+        log.info("restored the policy and optimizer of step %d", last)
+        return last + 1
+
+    def policy_version(self, step: int) -> int:
+        """The policy version (optimizer steps so far) when step `step` starts."""
+        return step * self.config.rl.grpo.mini_batches
+
+    def rollout_step(self, step: int) -> RolloutBatch:
+        """Samples step `step`'s batch with the current policy (full reference codes too on
+        mismatch-measuring steps)."""
+        worker = self.rollout_worker
+        return worker.rollout(
+            step, self.policy_version(step), reference=worker.measures_mismatch(step)
+        )
+
+    def publish_guidance(self, batch: RolloutBatch) -> list[concurrent.futures.Future]:
+        """Starts writing the batch's guidance to the store; one future per mini-batch."""
+        return self.rollout_worker.publish_guidance(self.store, batch)
+
+    def train_step(
+        self, batch: RolloutBatch, writes: Sequence[concurrent.futures.Future] = ()
+    ) -> dict[str, float]:
+        """The GRPO update on `batch` (`Trainer.train`): its metrics, plus the seconds it was
+        blocked on the store, `time_guidance_write_wait_s` (waiting for `writes`) and
+        `time_guidance_read_s` (reading entries). Raises FloatingPointError on a NaN loss."""
+        metrics, blocked = self.trainer.train(batch, self.store, writes)
+        self.store.flush()  # every write was waited for: this raises only earlier failures
+        return {
+            **metrics,
+            "time_guidance_write_wait_s": blocked["write_wait"],
+            "time_guidance_read_s": blocked["read"],
+        }
+
+    def evaluate(self, step: int) -> dict:
+        """pass@1 per held-out split of the policy in its rollout execution (the method's FP4
+        recipe); appends the row (`step` and split -> pass@1) to `rl_eval.jsonl`."""
+        splits = self.config.eval.splits
+        scores = pass_at_1_by_split(
+            self.model,
+            self.config.eval,
+            [jax.random.key(step)] * len(splits),
+            qcfg=self.setup.rollout_qcfg,
+            mode=self.setup.rollout_mode,
+        )
+        with MetricsLog(self.workdir, "rl_eval", append=True) as eval_log:
+            row = eval_log.write(step, scores)
+        log.info("eval %s", row)
+        return row
+
+    def save(self, step: int, force: bool = False) -> None:
+        """Checkpoints the model and optimizer as `step` when `step` is a multiple of
+        `checkpoint_every`, or when `force`d (written in the background)."""
+        save_train_state(self.checkpoints, step, self.model, self.optimizer, force=force)
+
+    def run(self, *, stop_after: int | None = None) -> list[dict]:
+        """Trains from the last checkpoint (or step 0) to `config.rl.steps`; returns the metric
+        rows of the steps it ran, then closes the store and the checkpoints.
+
+        `stop_after` ends the run after that many steps, as if it were killed (a chunk of a
+        longer run; rerunning resumes after it). What an interrupted attempt did after its
+        last checkpoint is redone: its guidance entries and log rows are dropped first.
+        """
+        rl = self.config.rl
+        start = self.restore()
+        # The store refuses to overwrite committed entries; the rows would appear twice.
+        stale = self.store.discard_from(rl.run_id, start)
+        dropped = {n: drop_rows_from(self.workdir, n, start) for n in ("rl_metrics", "rl_eval")}
+        if stale or any(dropped.values()):
+            log.info(
+                "resuming at step %d: dropped %d guidance entries and %s log rows of an "
+                "interrupted attempt",
+                start,
+                len(stale),
+                dropped,
+            )
+        history = []
+        with self, MetricsLog(self.workdir, "rl_metrics", append=bool(start)) as metrics_log:
+            steps = range(start, rl.steps)
+            for step in tqdm(steps, desc=f"rl {rl.method}", initial=start, total=rl.steps):
+                t0 = time.perf_counter()
+                batch = self.rollout_step(step)
+                t1 = time.perf_counter()
+                writes = self.publish_guidance(batch)
+                t2 = time.perf_counter()
+                metrics = self.train_step(batch, writes)
+                t3 = time.perf_counter()
+                write_wait = metrics.pop("time_guidance_write_wait_s")
+                read = metrics["time_guidance_read_s"]
+                row = {
+                    **metrics,
+                    "policy_version": batch.policy_version,
+                    "max_staleness_used": rl.grpo.mini_batches - 1,
+                    "time_rollout_s": t1 - t0,
+                    # Only the waits count: the writes run behind the reward scoring and the
+                    # earlier mini-batches' reads.
+                    "time_guidance_io_s": t2 - t1 + write_wait + read,
+                    "time_guidance_write_s": t2 - t1 + write_wait,  # until committed
+                    "time_train_s": t3 - t2 - write_wait - read,
+                }
+                history.append(metrics_log.write(step, row))
+                chunk_end = stop_after is not None and step + 1 - start >= stop_after
+                # The final policy and a chunk's last step are always saved: the interval alone
+                # skips them (steps 0..99 every 25 end at 75, and a resumed chunk would redo
+                # the steps after its last multiple).
+                self.save(step, force=step == rl.steps - 1 or chunk_end)
+                if rl.eval_every and (step + 1) % rl.eval_every == 0:
+                    self.evaluate(step)
+                if chunk_end:
+                    break
+        return history
+
+    def close(self) -> None:
+        """Waits for checkpoint writes and pending guidance writes; closes both."""
+        try:
+            self.checkpoints.wait_until_finished()
+            self.checkpoints.close()
+        finally:
+            self.store.close()
+
+    def __enter__(self) -> RLLoop:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not mask the exception in flight (a NaN loss, a failed read)
+            self.close()
+        except Exception as e:
+            log.error("while closing the RL loop: %s", e)

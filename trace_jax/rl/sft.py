@@ -1,0 +1,117 @@
+"""Supervised warm start on worked solutions, then pass@1 on the held-out splits.
+
+  rows = run_sft(ExperimentConfig.from_config_dict(cd), workdir)
+
+Writes into `workdir`: `sft_metrics.jsonl` (a row every `sft.log_every` steps and at the last;
+TensorBoard scalars under `tensorboard/`), the orbax checkpoint `sft_checkpoint/` (the model's
+`nnx.Param` state: what `rl.init_from` names) and `sft_eval.json` (`{"rows": [...]}`, pass@1 per
+split with bf16 and with NVFP4 W/A/KV execution).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from trace_jax import tasks
+from trace_jax.models import Qwen3MoE, init_model
+from trace_jax.quant import QuantConfig, SiteMode
+from trace_jax.rl.checkpoint import save_params
+from trace_jax.rl.config import GRPOConfig, make_optimizer
+from trace_jax.rl.evaluate import pass_at_1_by_split
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.metrics_log import MetricsLog
+from trace_jax.rl.step import sft_step
+
+log = logging.getLogger(__name__)
+
+SFT_CHECKPOINT = "sft_checkpoint"
+SFT_EVAL = "sft_eval.json"
+MAX_ROW_TOKENS = 4096
+
+
+def evaluate_sft(model: Qwen3MoE, config: ExperimentConfig, key: jax.Array) -> list[dict]:
+    """Rows `{"split", "problems", "pass@1_bf16", "pass@1_nvfp4"}`: pass@1 per held-out split with
+    bf16 and with NVFP4 W/A/KV execution (split i sampled with `fold_in(key, i)` in both)."""
+    ev = config.eval
+    keys = [jax.random.fold_in(key, i) for i in range(len(ev.splits))]
+    scores = {
+        label: pass_at_1_by_split(model, ev, keys, qcfg=qcfg, mode=mode)
+        for label, qcfg, mode in (
+            ("bf16", QuantConfig.bf16(), SiteMode.OFF),
+            ("nvfp4", QuantConfig.nvfp4(), SiteMode.RTN),
+        )
+    }
+    return [
+        {
+            "split": name,
+            "problems": len(tasks.eval_split(name)[: ev.problems_per_split]),
+            **{f"pass@1_{label}": s[name] for label, s in scores.items()},
+        }
+        for name in ev.splits
+    ]
+
+
+def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
+    """Trains `config.sft.steps` steps from a fresh `config.model`, checkpoints it, evaluates
+    it; returns the evaluation rows (`evaluate_sft`). Raises FloatingPointError on a non-finite
+    logged loss."""
+    os.makedirs(workdir, exist_ok=True)
+    sft = config.sft
+    model = init_model(config.model, seed=config.seed)
+    opt_cfg = GRPOConfig(
+        learning_rate=sft.learning_rate,
+        warmup_steps=sft.warmup_steps,
+        weight_decay=sft.weight_decay,
+    )
+    optimizer = nnx.Optimizer(model, make_optimizer(opt_cfg, sft.steps), wrt=nnx.Param)
+    stream = tasks.train_stream(config.seed, tasks=config.tasks.kinds, levels=config.tasks.levels)
+    pad_to = config.tasks.sft_row_length
+    if pad_to > MAX_ROW_TOKENS:
+        raise ValueError(f"SFT rows of {pad_to} tokens exceed {MAX_ROW_TOKENS}")
+    with MetricsLog(workdir, "sft_metrics") as metrics_log:
+        bar = tqdm(range(sft.steps), desc="sft")
+        for step in bar:
+            batch = tasks.encode_sft_batch(
+                list(itertools.islice(stream, sft.batch_size)), pad_to=pad_to
+            )
+            metrics = sft_step(
+                model,
+                optimizer,
+                jnp.asarray(batch.tokens),
+                jnp.asarray(batch.lengths),
+                jnp.asarray(batch.target_mask),
+            )
+            if step % sft.log_every == 0 or step == sft.steps - 1:
+                m = {k: float(v) for k, v in metrics.items()}
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"SFT loss is {m['loss']} at step {step}")
+                metrics_log.write(step, m)
+                bar.set_postfix(nll=f"{m['sft_nll']:.3f}")
+    save_params(model, os.path.join(workdir, SFT_CHECKPOINT))
+    rows = evaluate_sft(model, config, jax.random.key(config.seed + 1))
+    with open(os.path.join(workdir, SFT_EVAL), "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    return rows
+
+
+def sft_or_reuse(config: ExperimentConfig, workdir: str) -> tuple[list[dict], float]:
+    """`run_sft`, unless `workdir` already holds a finished SFT stage (its checkpoint and its
+    `sft_eval.json`): returns (the evaluation rows, seconds spent: 0 when reused)."""
+    results = os.path.join(workdir, SFT_EVAL)
+    if os.path.exists(os.path.join(workdir, SFT_CHECKPOINT)) and os.path.exists(results):
+        log.info("SFT stage found in %s; reusing it", workdir)
+        with open(results) as f:
+            return json.load(f)["rows"], 0.0
+    t0 = time.perf_counter()
+    rows = run_sft(config, workdir)
+    return rows, time.perf_counter() - t0

@@ -1,0 +1,344 @@
+"""The two sides of an RL step: a rollout worker and a trainer, linked by the guidance store.
+
+  worker = RolloutWorker(config, model, setup, mesh)
+  batch = worker.rollout(step, policy_version)           # sample, capture guidance
+  writes = worker.publish_guidance(store, batch)         # guidance -> store (async)
+  trainer = Trainer(config, model, setup, mesh)
+  metrics, blocked = trainer.train(batch, store, writes)  # store -> verified guidance -> GRPO
+
+`RLLoop` composes the two in one process around one model (no parameters travel); the
+disaggregated runner gives each its own process and model, linked by policy checkpoints,
+rollout files and the store. A method plugs in through its `MethodSetup` alone: the rollout
+recipe and what it captures, the trainer's recipe and its loss.
+
+Policy versions count optimizer steps: with M mini-batches per step, the trainer holds version
+`step * M` when step `step` starts and trains mini-batch m at version `step * M + m`, which is the
+version it asks the store for (the store accepts guidance up to `max_staleness` versions older).
+
+Axis legend: B rollout rows (prompts x group), S slots.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax import tasks
+from trace_jax.fp4 import Guidance, GuidanceMode
+from trace_jax.guidance import GuidanceStore
+from trace_jax.models import Qwen3MoE, init_model
+from trace_jax.quant import SiteMode
+from trace_jax.rl.advantages import grpo_advantages
+from trace_jax.rl.checkpoint import load_params
+from trace_jax.rl.config import make_optimizer
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.methods import MethodSetup
+from trace_jax.rl.sharding import mesh_context, place_batch, place_state
+from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
+from trace_jax.rollout import Rollout, SamplingConfig, generate
+
+
+def step_problems(config: ExperimentConfig, step: int, n: int) -> list[tasks.Problem]:
+    """The first `n` training problems of step `step` (kinds and levels of `config.tasks`): a
+    pure function of (seed, step), so a resumed run replays them."""
+    stream = tasks.train_stream(
+        config.seed * 1_000_003 + step, tasks=config.tasks.kinds, levels=config.tasks.levels
+    )
+    return list(itertools.islice(stream, n))
+
+
+def group_problems(config: ExperimentConfig, step: int) -> list[tasks.Problem]:
+    """Step `step`'s rollout rows: its `prompts_per_step` problems, each `group_size` times."""
+    g = config.rl.grpo.group_size
+    return [p for p in step_problems(config, step, config.rl.prompts_per_step) for _ in range(g)]
+
+
+def mini_batch_slices(n: int, parts: int) -> list[slice]:
+    """`parts` equal row slices of an `n`-row rollout batch (advantages are computed on the whole
+    batch first, so groups may span mini-batches)."""
+    if n % parts:
+        raise ValueError(f"{n} rollouts per step do not split into {parts} equal mini-batches")
+    size = n // parts
+    return [slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
+def init_policy(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
+    """The run's initial policy: `config.model` initialized from `config.seed`, loaded from
+    `rl.init_from` when set, placed on `mesh` (or committed to the first device)."""
+    model = init_model(config.model, seed=config.seed)
+    if config.rl.init_from:
+        load_params(model, config.rl.init_from)
+    place_state(model, mesh)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """One step's sampled batch, as the trainer consumes it.
+
+    step: the RL step (it names the problems: `group_problems(config, step)`).
+    policy_version: the version of the policy that sampled it.
+    rollout: tokens, log-probs, masks and expert choices `[B, S, ...]`; its `guidance` holds the
+      method's own capture (site key -> `Guidance`, device arrays; empty once loaded from a file:
+      guidance travels through the store).
+    reference: on mismatch-measuring steps, full rollout codes at every quantized site (site key
+      -> `Guidance`, FULL); otherwise None.
+    """
+
+    step: int
+    policy_version: int
+    rollout: Rollout
+    reference: dict[str, Guidance] | None = None
+
+
+class RolloutWorker:
+    """Samples a step's batch with the policy `model` and the method's rollout recipe, capturing
+    the method's guidance, and publishes that guidance to the store.
+
+    Attributes: config, model (updated in place by whoever owns the policy), setup, mesh,
+    sampling (`SamplingConfig` of `config.rl`), prompt_width (every step pads its prompts to it:
+    one compiled sampler).
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: Qwen3MoE,
+        setup: MethodSetup,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.config, self.model, self.setup, self.mesh = config, model, setup, mesh
+        self.sampling = SamplingConfig(
+            max_new_tokens=config.rl.max_new_tokens,
+            temperature=config.rl.temperature,
+            stop_tokens=(tasks.EOS_ID,),
+            pad_id=tasks.PAD_ID,
+        )
+        self.prompt_width = config.tasks.prompt_width
+        self._key = jax.random.key(config.seed)
+
+    def measures_mismatch(self, step: int) -> bool:
+        """Whether step `step` measures per-site code mismatch (every `rl.mismatch_every` steps;
+        FP4 rollouts only)."""
+        every = self.config.rl.mismatch_every
+        return bool(every) and step % every == 0 and self.setup.rollout_mode is SiteMode.RTN
+
+    def rollout(self, step: int, policy_version: int, *, reference: bool = False) -> RolloutBatch:
+        """Samples step `step`'s batch (B = prompts_per_step x group_size rows) with the current
+        policy, whose version the caller states.
+
+        With `reference`, the rollout records full codes at every quantized site (the batch's
+        `reference`, for mismatch statistics) and the method's guidance is derived from them
+        (compact guidance = the codes' mantissa bits), so the run is the same either way.
+        """
+        problems = group_problems(self.config, step)
+        prompts, lengths = tasks.encode_prompts(problems, pad_to=self.prompt_width)
+        prompts, lengths = place_batch((prompts, lengths), self.mesh, len(problems))
+        setup = self.setup
+        capture, capture_mode = setup.capture, setup.capture_mode
+        if reference:
+            capture = setup.rollout_qcfg.all_keys(self.model.cfg.n_layers)
+            capture_mode = GuidanceMode.FULL
+        graphdef, params = nnx.split(self.model)
+        with mesh_context(self.mesh):
+            roll = generate(
+                graphdef,
+                params,
+                prompts,
+                lengths,
+                jax.random.fold_in(self._key, step),
+                sampling=self.sampling,
+                qcfg=setup.rollout_qcfg,
+                mode=setup.rollout_mode,
+                capture=capture,
+                capture_mode=capture_mode,
+                residual_fraction=setup.rollout_residual_channels,
+            )
+        jax.block_until_ready(roll.tokens)
+        if not reference:
+            return RolloutBatch(step, policy_version, roll)
+        full = roll.guidance
+        own = {
+            k: full[k] if setup.capture_mode is GuidanceMode.FULL else full[k].as_compact()
+            for k in setup.capture
+        }
+        return RolloutBatch(step, policy_version, dataclasses.replace(roll, guidance=own), full)
+
+    def publish_guidance(
+        self, store: GuidanceStore, batch: RolloutBatch
+    ) -> list[concurrent.futures.Future]:
+        """Rollout -> store: starts writing one entry per mini-batch, stamped with the batch's
+        policy version, and returns their futures at once (none for a method without guidance).
+        The trainer waits for each entry just before reading it, so the writes run behind the
+        reward scoring and the earlier mini-batches' reads instead of in front of them."""
+        if not self.setup.capture:
+            return []
+        roll = batch.rollout
+        slices = mini_batch_slices(roll.tokens.shape[0], self.config.rl.grpo.mini_batches)
+        return [
+            store.write_async(
+                self.config.rl.run_id,
+                batch.step,
+                roll.rows(rows).guidance,
+                policy_version=batch.policy_version,
+                micro_batch=m,
+            )
+            for m, rows in enumerate(slices)
+        ]
+
+
+def read_guidance(
+    store: GuidanceStore,
+    run_id: str,
+    step: int,
+    micro_batch: int,
+    *,
+    mini_batches: int,
+    max_staleness: int,
+    write: concurrent.futures.Future | None = None,
+) -> tuple[dict[str, Guidance], dict[str, float]]:
+    """Store -> trainer: mini-batch `micro_batch`'s entry of `step`, read once `write` (this
+    process's pending write of it, if any) has committed, version-checked against the trainer's
+    version `step * mini_batches + micro_batch`. Returns (host guidance per site, seconds
+    {"write_wait": waiting for `write`, "read": reading}); raises the write's failure."""
+    w0 = time.perf_counter()
+    if write is not None:
+        write.result()
+    r0 = time.perf_counter()
+    guidance = store.read(
+        run_id,
+        step,
+        micro_batch=micro_batch,
+        expected_version=step * mini_batches + micro_batch,
+        max_staleness=max_staleness,
+    )
+    return guidance, {"write_wait": r0 - w0, "read": time.perf_counter() - r0}
+
+
+def mismatch_metrics(stats: dict[str, dict]) -> dict[str, float]:
+    """Per-site mismatch fractions (`mismatch/<site>`) from `site_mismatch`'s statistics; over all
+    sites, weighted by element count, `code_mismatch` and, when there are mismatches, the
+    fraction of them one adjacent code apart (`one_apart_fraction`)."""
+    out = {}
+    n = n_mis = n_one = 0
+    for key, st in sorted(stats.items()):
+        out[f"mismatch/{key}"] = float(st["mismatch"])
+        n += int(st["n_elements"])
+        n_mis += int(st["n_mismatch"])
+        n_one += int(st["n_one_apart"])
+    if not n:  # the trainer quantizes nothing (bf16 training, QUADS): no codes to compare
+        return out
+    out["code_mismatch"] = n_mis / n
+    if n_mis:  # undefined without mismatches (and NaN would litter the logs)
+        out["one_apart_fraction"] = n_one / n_mis
+    return out
+
+
+class Trainer:
+    """Scores rollout batches and runs the method's GRPO update on the policy `model`, one
+    optimizer step per mini-batch, reading each mini-batch's guidance from the store.
+
+    Attributes: config, model, setup, mesh, optimizer (AdamW on `rl.grpo`'s schedule over
+    `rl.steps * mini_batches` optimizer steps, placed like the model).
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: Qwen3MoE,
+        setup: MethodSetup,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.config, self.model, self.setup, self.mesh = config, model, setup, mesh
+        grpo = config.rl.grpo
+        self.optimizer = nnx.Optimizer(
+            model, make_optimizer(grpo, config.rl.steps * grpo.mini_batches), wrt=nnx.Param
+        )
+        place_state(self.optimizer, mesh)
+
+    def train(
+        self,
+        batch: RolloutBatch,
+        store: GuidanceStore,
+        writes: Sequence[concurrent.futures.Future] = (),
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Scores `batch` and runs the update; deletes the step's consumed guidance entries.
+
+        The trainer must hold version `batch.step * M` (M mini-batches). `writes`: this
+        process's pending writes of the step's entries (`RolloutWorker.publish_guidance`, one
+        per mini-batch), each waited for before its entry is read; without them the entries
+        must be committed already (another process wrote them). With `batch.reference`, the
+        trainer's code mismatch per site is measured on the first mini-batch before any update.
+
+        Returns (metrics averaged over mini-batches, with the reward and response length; the
+        seconds the step was blocked on the store: {"write_wait": waiting for `writes`,
+        "read": reading entries, host -> device included}). Raises FloatingPointError on a
+        non-finite loss.
+        """
+        rl, grpo, setup = self.config.rl, self.config.rl.grpo, self.setup
+        roll, step = batch.rollout, batch.step
+        problems = group_problems(self.config, step)
+        responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+        rewards = tasks.batch_rewards(problems, responses)
+        adv = grpo_advantages(jnp.asarray(rewards), grpo.group_size)
+        slices = mini_batch_slices(len(problems), grpo.mini_batches)
+        if writes and len(writes) != len(slices):
+            raise ValueError(
+                f"{len(writes)} pending guidance writes for {len(slices)} mini-batches"
+            )
+        kw = dict(setup=setup, grpo=grpo, temperature=rl.temperature)
+        mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}
+        with mesh_context(self.mesh):
+            for m, rows in enumerate(slices):
+                part = roll.rows(rows)
+                if setup.capture:  # store -> trainer, checked against the trainer's version
+                    guidance, waited = read_guidance(
+                        store,
+                        rl.run_id,
+                        step,
+                        m,
+                        mini_batches=grpo.mini_batches,
+                        max_staleness=grpo.max_staleness,
+                        write=writes[m] if writes else None,
+                    )
+                    r0 = time.perf_counter()
+                    guidance = place_batch(guidance, self.mesh, rows.stop - rows.start)
+                    part = dataclasses.replace(part, guidance=guidance)
+                    waited["read"] += time.perf_counter() - r0
+                    for k in blocked:
+                        blocked[k] += waited[k]
+                # PPO's pi_old: the policy at the start of the step, before any mini-batch
+                # update, with the guidance as read from the store.
+                mini_batches.append((rows, part, old_logprobs(self.model, part, **kw)))
+            mismatch = {}
+            if batch.reference is not None:
+                rows, part, _ = mini_batches[0]
+                ref = {
+                    k: jax.tree.map(lambda a, r=rows: a[r], g) for k, g in batch.reference.items()
+                }
+                mismatch = mismatch_metrics(site_mismatch(self.model, part, ref, **kw))
+            mb_metrics = [
+                grpo_step(self.model, self.optimizer, part, adv[rows], lp_old, **kw)
+                for rows, part, lp_old in mini_batches
+            ]
+        # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
+        metrics = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
+        if not np.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+        if setup.capture:
+            store.gc(rl.run_id, step)
+        metrics = {
+            "reward": float(np.mean(rewards)),
+            "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
+            **metrics,
+            **mismatch,
+        }
+        return metrics, blocked

@@ -1,0 +1,205 @@
+"""A table from its runs' logs: pass@1 mean +- std over seeds, log statistics, curves.
+
+Everything here reads run logs only (`rl_metrics.jsonl`, `rl_eval.jsonl`, `sft/sft_eval.json`),
+so a table is rebuilt from logs brought back without checkpoints. Nothing is aggregated from an
+unfinished run: `aggregate` raises, or with `partial` leaves the unfinished seeds out and says
+how many seeds each row has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from trace_jax.rl.metrics_log import read_rows
+from trace_jax.tables.grid import Table, benchmark_average, benchmark_splits, run_dir, sft_dir
+from trace_jax.tables.train import final_eval, finished_seeds
+
+# Training-log statistics of a table's runs (`run_statistics`).
+STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
+
+
+def _log(directory: str, name: str) -> list[dict]:
+    return read_rows(os.path.join(directory, f"{name}.jsonl"), missing_ok=True)
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std (ddof 1; nan for one value)."""
+    v = np.asarray(values, np.float64)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else float("nan")
+
+
+def run_statistics(metrics: Sequence[Sequence[dict]]) -> dict[str, float]:
+    """Training-log statistics of one run from its seeds' `rl_metrics` rows: the mean of each
+    `STAT_KEYS` metric over the steps that logged it (code mismatch: the mismatch-measuring
+    steps only), averaged over seeds. A metric no step logged is absent (never 0)."""
+    out = {}
+    for key in STAT_KEYS:
+        logged = [[r[key] for r in rows if key in r] for rows in metrics]
+        per_seed = [float(np.mean(v)) for v in logged if v]
+        if per_seed:
+            out[key] = float(np.mean(per_seed))
+    return out
+
+
+def aggregate(table: Table, workdir: str, partial: bool = False) -> list[dict]:
+    """One row per run: `run`, its overrides (as strings), pass@1 mean and `<split>_std` over
+    seeds per split, the benchmark `average` (+ `average_std`), `seeds` (how many), and the
+    `run_statistics` of its logs.
+
+    An unfinished seed is a RuntimeError; with `partial`, the row is over the finished seeds and
+    runs without any are left out."""
+    splits = list(table.experiment.eval.splits)
+    rows = []
+    for label, overrides in table.runs:
+        finals, dirs = [], []
+        for seed in table.seeds:
+            d = run_dir(workdir, label, seed)
+            ev = final_eval(d, table.steps(label))
+            if ev is None and not partial:
+                raise RuntimeError(f"{label} seed {seed} has no final evaluation in {d}")
+            if ev is not None:
+                finals.append(ev)
+                dirs.append(d)
+        if not finals:
+            continue
+        row = {"run": label, **{k: str(v) for k, v in overrides.items()}}
+        for s in splits:
+            row[s], row[f"{s}_std"] = _mean_std([f[s] for f in finals])
+        row["average"], row["average_std"] = _mean_std(
+            [benchmark_average(f, splits) for f in finals]
+        )
+        row["seeds"] = len(finals)
+        row.update(run_statistics([_log(d, "rl_metrics") for d in dirs]))
+        rows.append(row)
+    return rows
+
+
+def missing_seeds(table: Table, rows: Sequence[dict]) -> list[str]:
+    """`"<run> (<missing> of <seeds>)"` for each run of `aggregate(partial=True)`'s rows short of
+    seeds, and the labels of runs without a row."""
+    n = len(table.seeds)
+    missing = [f"{r['run']} ({n - r['seeds']} of {n})" for r in rows if r["seeds"] < n]
+    return missing + [lb for lb in table.labels if lb not in {r["run"] for r in rows}]
+
+
+def _sft_eval(workdir: str) -> list[dict] | None:
+    path = os.path.join(sft_dir(workdir), "sft_eval.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def sft_row(table: Table, workdir: str, execution: str = "bf16") -> dict | None:
+    """The SFT policy's pass@1 per split and benchmark average under `execution` ("bf16", or the
+    FP4 format its evaluation ran, e.g. "nvfp4"): where every run starts. None if that
+    evaluation is not in the workdir."""
+    rows = _sft_eval(workdir)
+    key = f"pass@1_{execution}"
+    if rows is None or key not in rows[0]:
+        return None
+    splits = table.experiment.eval.splits
+    by_split = {r["split"]: r[key] for r in rows}
+    row = {"run": f"SFT start ({execution})", **{s: float(by_split[s]) for s in splits}}
+    row["average"] = benchmark_average(by_split, splits)
+    return row
+
+
+def sft_rows(table: Table, workdir: str) -> list[dict]:
+    """`sft_row` for every execution the SFT evaluation ran, bf16 first."""
+    rows = _sft_eval(workdir)
+    if rows is None:
+        return []
+    executions = [k.removeprefix("pass@1_") for k in rows[0] if k.startswith("pass@1_")]
+    executions.sort(key=lambda e: e != "bf16")
+    return [sft_row(table, workdir, e) for e in executions]
+
+
+def adaptation(
+    table: Table, workdir: str, run: str = "trace", reference: str = "bf16"
+) -> dict | None:
+    """When `run` first matches `reference` on the hardest benchmark split (the one the SFT
+    policy scores lowest on; without an SFT evaluation, the one `reference` ends lowest on).
+
+    "Matches" at an evaluation step: `run`'s mean over finished seeds is at least `reference`'s
+    mean minus its sample std over seeds. Returns {"split", "run", "reference", "points": per
+    evaluation step {"step", run: mean, reference: mean, "ref_std"}, "matched_at": the first
+    matching step or None}; None if either run is not in the table or has no finished seed.
+    """
+    if run not in table.labels or reference not in table.labels:
+        return None
+    evals = {}
+    for label in (run, reference):
+        seeds = finished_seeds(table, workdir, label)
+        if not seeds:
+            return None
+        evals[label] = [_log(run_dir(workdir, label, s), "rl_eval") for s in seeds]
+    bench = benchmark_splits(table.experiment.eval.splits)
+    start = sft_row(table, workdir)
+    if start is not None:
+        split = min(bench, key=lambda sp: start[sp])
+    else:
+        split = min(bench, key=lambda sp: np.mean([e[-1][sp] for e in evals[reference]]))
+    steps = sorted({r["step"] for e in evals[run] + evals[reference] for r in e})
+    points, matched_at = [], None
+    for step in steps:
+        vals = {
+            label: [r[split] for e in evals[label] for r in e if r["step"] == step]
+            for label in (run, reference)
+        }
+        if not all(len(v) == len(evals[lb]) for lb, v in vals.items()):
+            continue  # a seed without this evaluation
+        ref = np.asarray(vals[reference], np.float64)
+        ref_std = float(ref.std(ddof=1)) if len(ref) > 1 else 0.0
+        got = float(np.mean(vals[run]))
+        points.append({"step": step, run: got, reference: float(ref.mean()), "ref_std": ref_std})
+        if matched_at is None and got >= ref.mean() - ref_std:
+            matched_at = step
+    return {
+        "split": split,
+        "run": run,
+        "reference": reference,
+        "points": points,
+        "matched_at": matched_at,
+    }
+
+
+def shared_runs(table: Table, workdir: str) -> list[tuple[str, int, str]]:
+    """(label, seed, source) of this table's runs whose logs are another table's run, trained
+    once for both (`same_run_as.txt`, written by `trace_jax.tables.queue.copy_run`)."""
+    out = []
+    for label in table.labels:
+        for seed in table.seeds:
+            path = os.path.join(run_dir(workdir, label, seed), "same_run_as.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out.append((label, seed, f.read().strip()))
+    return out
+
+
+def curves(table: Table, workdir: str) -> list[dict]:
+    """Per run with finished seeds, its curves averaged over them: {"run", "steps" (training
+    steps), "reward", "train_rollout_gap_mean" (per step), "eval_steps", "score" (benchmark
+    average pass@1 per evaluation step)}."""
+    splits = table.experiment.eval.splits
+    out = []
+    for label in table.labels:
+        dirs = [run_dir(workdir, label, s) for s in finished_seeds(table, workdir, label)]
+        if not dirs:
+            continue
+        metrics = [_log(d, "rl_metrics") for d in dirs]
+        evals = [_log(d, "rl_eval") for d in dirs]
+        steps = [r["step"] for r in metrics[0]]
+        eval_steps = [r["step"] for r in evals[0]]
+        row = {"run": label, "steps": steps, "eval_steps": eval_steps}
+        for key in ("reward", "train_rollout_gap_mean"):
+            row[key] = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], 0).tolist()
+        row["score"] = np.mean(
+            [[benchmark_average(r, splits) for r in e[: len(eval_steps)]] for e in evals], 0
+        ).tolist()
+        out.append(row)
+    return out

@@ -1,0 +1,127 @@
+"""GRPO step time of several methods, split into rollout, guidance I/O and training.
+
+Each method runs `steps` plain GRPO steps (no evaluation, no mismatch steps: only the steady
+loop) from the same random initialization in `<workdir>/<method>` (`run_method`); `report` takes
+the median per-step time of each phase over the steps after the first `skip` (compilation) from
+each run's `rl_metrics.jsonl`, and each method's step time over the reference method's.
+
+From a random initialization no row stops early, so every method samples full-length responses:
+equal work per step, which a side-by-side timing needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.loop import RLLoop
+from trace_jax.rl.metrics_log import read_rows
+
+PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
+# The guidance I/O's parts: the write still committing when the trainer needs it, and the read.
+GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
+MEMORY_FILE = "device_memory.json"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepTimeConfig:
+    """The `step_time` section of a step-time config.
+
+    methods: the methods timed (names of `trace_jax.rl.methods.METHODS`).
+    steps: GRPO steps per method.
+    skip: first steps left out of the medians (compilation).
+    reference: the method the others are compared to ("": the last of `methods`).
+    """
+
+    methods: tuple[str, ...] = ("trace", "fp4_qat")
+    steps: int = 25
+    skip: int = 2
+    reference: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "methods", tuple(self.methods))
+        if not self.methods:
+            raise ValueError("step_time.methods is empty: name at least one method")
+        if self.reference and self.reference not in self.methods:
+            raise ValueError(
+                f"step_time.reference {self.reference!r} is not among the methods "
+                f"{list(self.methods)}"
+            )
+        if self.steps <= self.skip:
+            raise ValueError(
+                f"step_time.steps={self.steps} leaves no step after the first skip={self.skip}"
+            )
+
+    @property
+    def reference_method(self) -> str:
+        return self.reference or self.methods[-1]
+
+
+def method_config(config: ExperimentConfig, method: str, steps: int) -> ExperimentConfig:
+    """`config` for a timing run of `method`: `steps` plain GRPO steps from a random
+    initialization, nothing else timed (no evaluation, no mismatch steps, one checkpoint)."""
+    rl = dataclasses.replace(
+        config.rl,
+        method=method,
+        steps=steps,
+        eval_every=0,
+        mismatch_every=0,
+        init_from="",
+        checkpoint_every=steps,
+    )
+    return dataclasses.replace(config, rl=rl)
+
+
+def run_method(
+    config: ExperimentConfig, workdir: str, method: str, steps: int, record_memory: bool = False
+) -> None:
+    """Runs `method` in `<workdir>/<method>`; with `record_memory` (a process of its own), writes
+    the device's peak memory over the run to `<workdir>/<method>/device_memory.json` where the
+    backend reports it (GPUs do, the CPU does not)."""
+    directory = os.path.join(workdir, method)
+    RLLoop(method_config(config, method, steps), directory).run()
+    stats = jax.local_devices()[0].memory_stats() if record_memory else None
+    if stats and "peak_bytes_in_use" in stats:
+        with open(os.path.join(directory, MEMORY_FILE), "w") as f:
+            json.dump({"peak_bytes_in_use": int(stats["peak_bytes_in_use"])}, f)
+
+
+def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
+    """Median seconds per phase and per step over the steps after the first `skip`, the
+    guidance I/O parts where every step logged them, `steps_timed` and the mean `reward`."""
+    steady = [r for r in rows if r["step"] >= skip]
+    if not steady:
+        raise ValueError(f"no steps after the first {skip} to time (got {len(rows)} steps)")
+    out = {k: float(np.median([r[k] for r in steady])) for k in PHASES}
+    out["time_step_s"] = float(np.median([sum(r[k] for k in PHASES) for r in steady]))
+    for k in GUIDANCE_IO_PARTS:
+        if all(k in r for r in steady):
+            out[k] = float(np.median([r[k] for r in steady]))
+    out["steps_timed"] = len(steady)
+    out["reward"] = float(np.mean([r["reward"] for r in steady]))
+    return out
+
+
+def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> list[dict]:
+    """One row per method from `<workdir>/<method>/rl_metrics.jsonl`: `step_times`, the peak
+    device memory (`peak_memory_gib`) where recorded, the guidance I/O share of the step and the
+    step time relative to `reference`'s (`step_vs_reference`)."""
+    rows = []
+    for m in methods:
+        logged = read_rows(os.path.join(workdir, m, "rl_metrics.jsonl"))
+        rows.append({"method": m, **step_times(logged, skip)})
+        memory = os.path.join(workdir, m, MEMORY_FILE)
+        if os.path.exists(memory):
+            with open(memory) as f:
+                rows[-1]["peak_memory_gib"] = json.load(f)["peak_bytes_in_use"] / 2**30
+    ref = next(r for r in rows if r["method"] == reference)
+    for r in rows:
+        r["guidance_io_share"] = r["time_guidance_io_s"] / r["time_step_s"]
+        r["step_vs_reference"] = r["time_step_s"] / ref["time_step_s"]
+    return rows
