@@ -1,5 +1,5 @@
-"""Test session set-up (must precede the first jax import): 8 host devices for sharding tests,
-and one persistent XLA compilation cache for the session."""
+"""Suite set-up (must precede the first jax import): 8 host devices for sharding tests,
+and one persistent XLA compilation cache shared by every test run on this machine."""
 
 import os
 import tempfile
