@@ -8,7 +8,7 @@ r"""GRPO step time of TRACE against plain FP4 rollouts on the `small` preset.
 import ml_collections
 
 from configs import small_gpu
-from trace_jax.tables.sections import section_config_dict
+from trace_jax.rl.config_dict import section_config_dict
 from trace_jax.tables.step_time import StepTimeConfig
 
 

@@ -36,6 +36,8 @@ from trace_jax.models import (
     pack_model_experts,
 )
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode, quant_recipe
+from trace_jax.rl.config_dict import from_section
+from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rollout.sampler import pack_rows
 
 COLUMNS = ["preset", "context", "batch", "bf16_ms", "fp4_xla_no capture_ms"]
@@ -105,7 +107,7 @@ class DecodeStepBench:
                 f"implementations must include 'pallas' and be among xla, pallas; got {impls}"
             )
         self.config, self.implementations = config, impls
-        self.model = cfg = harness.preset_model(config.model)
+        self.model = cfg = from_section(ModelSpec, config.model).build()
         self.qcfg = qcfg = quant_recipe(config.recipe)
         # Parameters are arguments of the timed step, never constants baked into it: as
         # constants, XLA constant-folded the weight quantization (minutes of compile per variant

@@ -23,6 +23,8 @@ from experiments import harness
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.models import ModelConfig
+from trace_jax.rl.config_dict import from_section
+from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rl.methods import get_method
 
 
@@ -94,7 +96,7 @@ def measure(guidance, *, mini_batches: int, steps: int, durable: bool) -> dict:
 def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Times the round trip with and without fsync, writes `<outdir>/<name>.{md,json}`; returns
     the rows."""
-    cfg = harness.preset_model(config.model)
+    cfg = from_section(ModelSpec, config.model).build()
     method, fmt, rows, tokens = config.method, config.format, config.rows, config.tokens
     mini_batches, steps, preset = config.mini_batches, config.steps, config.model.preset
     guidance = random_guidance(cfg, method, fmt, rows // mini_batches, tokens)

@@ -37,6 +37,8 @@ from experiments import harness
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import SiteMode
+from trace_jax.rl.config_dict import from_section
+from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rl.methods import get_method
 from trace_jax.rollout import SamplingConfig, generate
 
@@ -174,7 +176,7 @@ def plot_from(path: str) -> str:
 def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Times every (length, variant) and writes `<outdir>/<name>.{md,json,png}`; returns the
     rows."""
-    cfg = harness.preset_model(config.model)
+    cfg = from_section(ModelSpec, config.model).build()
     unknown = set(config.variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")

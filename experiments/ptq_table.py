@@ -32,7 +32,7 @@ from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import ptq_table
 from trace_jax.tables.grid import BENCHMARK_SPLITS
-from trace_jax.tables.sections import from_section
+from trace_jax.rl.config_dict import from_section
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

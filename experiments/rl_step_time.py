@@ -29,7 +29,7 @@ from experiments import harness
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import step_time
-from trace_jax.tables.sections import from_section
+from trace_jax.rl.config_dict import from_section
 from trace_jax.tables.step_time import GUIDANCE_IO_PARTS, PHASES, StepTimeConfig
 
 matplotlib.use("Agg")

@@ -27,7 +27,7 @@ from trace_jax.quant.config import GUIDABLE_SITES
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables.gap import GapConfig, GapResult, measure_gap
-from trace_jax.tables.sections import from_section
+from trace_jax.rl.config_dict import from_section
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -30,9 +30,9 @@ from trace_jax.fp4 import PackedTensorCache
 # per SM.
 DEFAULT_BLOCK_S = 64  # bf16 twin
 FP4_DEFAULT_BLOCK_S = 128
-# Three load stages from 32K slots on: 1-13% faster than two at 32K-128K in both H200 runs of
-# 2026-12-01, while at 4K-8K the two runs disagreed (-7% to +11%), so shorter caches keep
-# BlockConfig's two, as does the bf16 twin.
+# Three load stages from 32K slots on: 1-13% faster than two at 32K-128K in two H200 sweeps,
+# while at 4K-8K the two sweeps disagreed (-7% to +11%), so shorter caches keep BlockConfig's
+# two, as does the bf16 twin.
 FP4_LONG_CONTEXT_SLOTS = 32768
 FP4_LONG_CONTEXT_NUM_STAGES = 3
 # p . v accumulated transposed from head_dim 128 on, with the "f16" decode: 3-11% faster at

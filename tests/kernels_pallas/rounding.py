@@ -74,6 +74,21 @@ def attention_error_bound(q, k, v, lengths, *, steps: int, p_unit: float = 0.0):
     return out, moved + (n * U32 + p_unit) * pv_mag + n * U32 * np.abs(out)
 
 
+def kernel_tolerance(q, k, v, lengths, out, ref, *, bf16: bool) -> np.ndarray:
+    """The bound [B, H, Dh] on |out - ref| for a decode-attention kernel's output `out` against
+    its reference's `ref`, each within `attention_error_bound` of exact (probabilities rescaled
+    once per block of at least 16 slots and once by the split combine). With a bf16 query (`bf16`)
+    also the kernel's bf16 (or float16) probabilities in the p . v dot, 2**-8 of each term
+    (float16 subnormals below 2**-14 lose at most 2**-25 each, far less), and both outputs'
+    rounding to bf16, 2**-8 of each. k, v [B, S, Hkv, Dh] as the reference reads them."""
+    steps = -(-np.shape(k)[1] // 16) + 1
+    _, one = attention_error_bound(q, k, v, lengths, steps=steps)
+    if not bf16:
+        return 2 * one
+    out, ref = (np.abs(np.asarray(a, np.float64)) for a in (out, ref))
+    return 2 * one + U_BF16 * (pv_magnitude(q, k, v, lengths) + out + ref)
+
+
 def assert_within(got, want, bound) -> None:
     """|got - want| <= bound elementwise (float64); the message says how far beyond it."""
     got, want = (np.asarray(a, np.float64) for a in (got, want))

@@ -3,10 +3,10 @@ reference.
 
 One test base runs the shared cases through the api with a given implementation; each
 implementation is a short subclass. Pallas runs in interpret mode off the GPU (natively on one).
-Tolerance, per output element against the reference: twice `rounding.attention_error_bound`
-(float32 dots and sums of n terms within n u of their sums of magnitudes, carried through the
-softmax), plus for a bf16 query the probabilities' bf16 rounding in the p . v dot (2**-8 of
-sum_j P_j |v_j|) and both outputs' bf16 rounding (2**-8 of each).
+Tolerance, per output element against the reference: `rounding.kernel_tolerance`, twice the
+float32 rounding bound (dots and sums of n terms within n u of their sums of magnitudes, carried
+through the softmax), plus for a bf16 query the probabilities' bf16 rounding in the p . v dot and
+both outputs' bf16 rounding.
 """
 
 from __future__ import annotations
@@ -40,13 +40,7 @@ from kernels_pallas.fp4_decode_attention import (
     kernel,
 )
 from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_planes, decode_fp4_planes_f16
-from tests.kernels_pallas.rounding import (
-    U32,
-    U_BF16,
-    assert_within,
-    attention_error_bound,
-    pv_magnitude,
-)
+from tests.kernels_pallas import rounding
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 
@@ -116,29 +110,18 @@ def _stale_nan(cache: PackedTensorCache, lengths: jax.Array) -> PackedTensorCach
     return dataclasses.replace(cache, scales=scales, global_scale=g)
 
 
-def _bound(q, k, v, lengths) -> np.ndarray:
-    """The bound [B, H, Dh] on |out - reference| for either output (module docstring); k, v
-    [B, S, Hkv, Dh] as the reference reads them (a packed cache is read in float32)."""
-    k, v = (c.read(jnp.float32) if isinstance(c, PackedTensorCache) else c for c in (k, v))
-    # Probabilities are rescaled once per block of at least 16 slots and once by the combine.
-    steps = -(-k.shape[1] // 16) + 1
-    _, one = attention_error_bound(q, k, v, lengths, steps=steps)
-    if q.dtype != jnp.bfloat16:
-        return 2 * one
-    # The kernel's bf16 (or float16) probabilities in the p . v dot: 2**-8 of each term (float16
-    # subnormals below 2**-14 lose at most 2**-25 each, far less than this bound).
-    return 2 * one + U_BF16 * pv_magnitude(q, k, v, lengths)
+def _values(k, v):
+    """K and V as the reference reads them (a packed cache dequantized in float32)."""
+    return (c.read(jnp.float32) if isinstance(c, PackedTensorCache) else c for c in (k, v))
 
 
 def _close(out, ref, q, k, v, lengths):
-    """out against the reference's ref, both in q.dtype, within `_bound` (plus bf16 outputs'
-    own roundings)."""
+    """out against the reference's ref, both in q.dtype, within `rounding.kernel_tolerance`."""
     assert out.dtype == ref.dtype == q.dtype
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    bound = _bound(q, k, v, lengths)
-    if q.dtype == jnp.bfloat16:
-        bound = bound + U_BF16 * (np.abs(out) + np.abs(ref))
-    assert_within(out, ref, bound)
+    bound = rounding.kernel_tolerance(
+        q, *_values(k, v), lengths, out, ref, bf16=q.dtype == jnp.bfloat16
+    )
+    rounding.assert_within(out, ref, bound)
 
 
 class DecodeAttentionTestBase:
@@ -244,7 +227,7 @@ def test_reference_matches_per_head_loop():
     case = CASES["gqa4_default_splits"]
     q, k, v, lengths = _inputs(case, jnp.float32, seed=4)
     out = np.asarray(decode_attention_reference(q, k, v, lengths), np.float64)
-    _, bound = attention_error_bound(q, k, v, lengths, steps=1)  # one softmax, no rescales
+    _, bound = rounding.attention_error_bound(q, k, v, lengths, steps=1)  # one softmax
     qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
     for b in range(case.batch):
         n = int(lengths[b])
@@ -253,7 +236,7 @@ def test_reference_matches_per_head_loop():
             scores = kn[b, :n, kh] @ qn[b, h] / np.sqrt(case.head_dim)
             p = np.exp(scores - scores.max())
             expected = (p / p.sum()) @ vn[b, :n, kh]
-            assert_within(out[b, h], expected, bound[b, h])
+            rounding.assert_within(out[b, h], expected, bound[b, h])
 
 
 def _three_split_case(fmt, q_dtype, seed: int):
@@ -290,13 +273,12 @@ def test_transposed_pv_accumulates_the_same_output(fmt, q_dtype):
     # The same probabilities and values, summed in another order per block of block_s slots:
     # each order within (block_s + 2) u sum_j P_j |v_j| (the dot, its scale, the rescale) of
     # exact, plus both outputs' rounding to bf16.
-    got = np.asarray(out, np.float64)
     q, k, v, lengths = args
-    k, v = (c.read(jnp.float32) if isinstance(c, PackedTensorCache) else c for c in (k, v))
-    bound = 2 * (plan.config.block_s + 2) * U32 * pv_magnitude(q, k, v, lengths)
+    mag = rounding.pv_magnitude(q, *_values(k, v), lengths)
+    bound = 2 * (plan.config.block_s + 2) * rounding.U32 * mag
     if q_dtype == jnp.bfloat16:
-        bound = bound + U_BF16 * (np.abs(got) + np.abs(want))
-    assert_within(got, want, bound)
+        bound = bound + rounding.U_BF16 * (np.abs(np.asarray(out, np.float64)) + np.abs(want))
+    rounding.assert_within(out, want, bound)
     ref = _fp4_ref(*args) if fmt is not None else _bf16_ref(*args)
     _close(out, ref, *args)
 

@@ -261,13 +261,19 @@ SAME_BLOCKS = [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP4), (fp4.MXFP4, fp4.M
 @pytest.mark.parametrize("tile", [None, 16, 64])
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), SAME_BLOCKS, ids=lambda f: f.name)
 def test_scaled_matmul_implementation_matches_reference(w_fmt, a_fmt, tile):
-    """`jax.nn.scaled_matmul` over per-group row tiles (XLA's CPU decomposition here)."""
+    """`jax.nn.scaled_matmul` over per-group row tiles (XLA's decomposition on the CPU); a GPU
+    without native block-scaled matmul (compute capability < 10, e.g. the H200) refuses it."""
     lhs, rhs = make_operands(w_fmt, a_fmt)
     run = jax.jit(
         lambda gs: fp4_moe_matmul(
             lhs, rhs, gs, implementation="scaled_matmul", block_m=tile, out_dtype=jnp.float32
         )
     )
+    device = jax.devices()[0]
+    if device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) < 10:
+        with pytest.raises(NotImplementedError, match="compute capability >= 10"):
+            run(jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32))
+        return
     for sizes in GROUP_SIZES.values():
         gs = jnp.asarray(sizes, jnp.int32)
         assert_matches_reference(run(gs), lhs, rhs, gs, exact=False)

@@ -13,9 +13,11 @@ from configs import small_gpu, tiny_cpu
 from trace_jax import tasks
 from trace_jax.models import ModelConfig
 from trace_jax.rl.config import GRPOConfig
+from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import (
     EvalConfig,
     ExperimentConfig,
+    ModelSpec,
     RLConfig,
     SFTConfig,
     TaskConfig,
@@ -64,7 +66,8 @@ def test_section_overrides_and_unknown_names():
     assert config.rl.grpo.beta == 0.05
     with pytest.raises(ValueError, match=r"unknown config section\(s\) \['rll'\]"):
         experiment_config_dict(rll={"steps": 1})
-    with pytest.raises(ValueError, match=r"\['stepz'\] of config section 'rl'"):
+    stepz = r"config section 'rl': unknown RLConfig \+ GRPOConfig fields \['stepz'\]"
+    with pytest.raises(ValueError, match=stepz):
         experiment_config_dict(rl={"stepz": 1})
 
 
@@ -102,6 +105,18 @@ def test_model_n_layers_overrides_the_preset_when_set():
     cd.model.preset = "huge"
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         ExperimentConfig.from_config_dict(cd)
+
+
+def test_model_spec_builds_its_preset_with_the_shape_fields_that_are_set():
+    """What the benchmarks' `model` sections build: `ModelConfig.<preset>` with `n_layers` and
+    `head_dim` replaced where set."""
+    assert ModelSpec(preset="small").build() == ModelConfig.small()
+    spec = ModelSpec(preset="tiny", n_layers=2, head_dim=32)
+    assert spec.build() == ModelConfig.tiny(n_layers=2, head_dim=32)
+    section = experiment_config_dict(model={"preset": "small", "head_dim": 32}).model
+    assert from_section(ModelSpec, section).build() == ModelConfig.small(head_dim=32)
+    with pytest.raises(ValueError, match="unknown model preset 'qwen3_5_35b_a3b'"):
+        ModelSpec(preset="qwen3_5_35b_a3b")  # shape-only: never allocated from a config
 
 
 def test_guided_layer_spec_reaches_the_method_setup():

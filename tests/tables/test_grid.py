@@ -13,7 +13,6 @@ from trace_jax.tables.grid import (
     run_dir,
     table_section,
 )
-from trace_jax.tables.sections import from_section, section_config_dict
 
 
 def _table(**section):
@@ -80,15 +79,6 @@ def test_table_section_fields():
         Table.from_config_dict(cd)
     with pytest.raises(ValueError, match="no `table` section"):
         Table.from_config_dict(support.tiny.experiment_config())
-
-
-def test_sections_round_trip_a_dataclass():
-    from trace_jax.tables.step_time import StepTimeConfig
-
-    section = section_config_dict(StepTimeConfig, steps=9)
-    assert from_section(StepTimeConfig, section) == StepTimeConfig(steps=9)
-    with pytest.raises(ValueError, match=r"has no fields \['step'\]"):
-        section_config_dict(StepTimeConfig, step=9)
 
 
 def test_shards_partition_the_pairs():

@@ -14,16 +14,14 @@ reads them from the dataclasses, so no config file restates one.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
 
 from trace_jax import tasks
 from trace_jax.models import ModelConfig
 from trace_jax.rl.config import GRPOConfig
+from trace_jax.rl.config_dict import field_defaults, section_config_dict
 from trace_jax.rl.methods import MethodSetup, get_method
 
 MODEL_PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
@@ -55,12 +53,14 @@ class ModelSpec:
 
     preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul: as `ModelConfig`'s fields.
     n_layers: the preset's decoder-block count unless set (tests cut `tiny` to 2 blocks).
+    head_dim: the preset's per-head width unless set (the benchmarks' CPU smoke runs widen it).
     """
 
     preset: str = "tiny"
     init_std: float = ModelConfig.init_std
     grouped_matmul: str = ModelConfig.grouped_matmul
     n_layers: int | None = None
+    head_dim: int | None = None
 
     def __post_init__(self):
         if self.preset not in MODEL_PRESETS:
@@ -70,7 +70,8 @@ class ModelSpec:
 
     def build(self) -> ModelConfig:
         """The `ModelConfig` this spec names (its own checks reject bad overrides)."""
-        overrides = {} if self.n_layers is None else {"n_layers": self.n_layers}
+        shape = {"n_layers": self.n_layers, "head_dim": self.head_dim}
+        overrides = {k: v for k, v in shape.items() if v is not None}
         return MODEL_PRESETS[self.preset](
             init_std=self.init_std, grouped_matmul=self.grouped_matmul, **overrides
         )
@@ -326,26 +327,11 @@ SECTIONS: dict[str, tuple[type, ...]] = {
 _GRPO_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
 
 
-def _placeholder_type(hint) -> type:
-    """The non-None type of an `X | None` annotation (a ConfigDict placeholder's type)."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        return typing.get_origin(args[0]) or args[0]
-    raise TypeError(f"a None default needs an `X | None` annotation; got {hint}")
-
-
 def section_defaults(name: str) -> dict[str, Any]:
-    """Field -> default of the ConfigDict section `name` (nested dataclasses excluded)."""
+    """Field -> default of the ConfigDict section `name` (`config_dict.field_defaults`)."""
     if name not in SECTIONS:
         raise ValueError(f"unknown config section {name!r}; expected {sorted(SECTIONS)}")
-    out = {}
-    for cls in SECTIONS[name]:
-        for f in dataclasses.fields(cls):
-            if cls is RLConfig and f.name == "grpo":  # its fields are the section's own
-                continue
-            factory = f.default_factory
-            out[f.name] = f.default if factory is dataclasses.MISSING else factory()
-    return out
+    return field_defaults(*SECTIONS[name])
 
 
 def experiment_config_dict(
@@ -363,24 +349,8 @@ def experiment_config_dict(
     cd = ml_collections.ConfigDict()
     cd.seed = seed
     for name, classes in SECTIONS.items():
-        hints = {}
-        for cls in classes:
-            hints.update(typing.get_type_hints(cls))
-        fields = {}
-        for field, default in section_defaults(name).items():
-            fields[field] = (
-                config_dict.placeholder(_placeholder_type(hints[field]))
-                if default is None
-                else default
-            )
-        section = ml_collections.ConfigDict(fields)
-        overrides = dict(sections.get(name) or {})
-        bad = sorted(set(overrides) - set(fields))
-        if bad:
-            raise ValueError(
-                f"unknown field(s) {bad} of config section {name!r}; it has {sorted(fields)}"
-            )
-        for field, value in overrides.items():
-            section[field] = value
-        cd[name] = section
+        try:
+            cd[name] = section_config_dict(*classes, **(sections.get(name) or {}))
+        except ValueError as e:
+            raise ValueError(f"config section {name!r}: {e}") from None
     return cd

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.tables.sections import from_section, section_config_dict
+from trace_jax.rl.config_dict import from_section, section_config_dict
 
 BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
 
