@@ -20,7 +20,7 @@ import ml_collections
 
 from trace_jax.rl.experiment import experiment_config_dict
 
-RL_STEPS = 40
+RL_STEPS = 50
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -29,12 +29,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cd = experiment_config_dict(
         tasks={"kinds": ("program",)},
         sft={"steps": 250},
-        eval={"splits": ("level1",), "problems_per_split": 96, "max_new_tokens": 24},
+        eval={
+            "splits": ("level1",),
+            "problems_per_split": 96,
+            "k": 4,
+            "temperature": 1.0,
+            "max_new_tokens": 24,
+        },
         rl={
             "steps": RL_STEPS,
-            "prompts_per_step": 16,
-            "group_size": 8,
-            "learning_rate": 5e-4,
+            "prompts_per_step": 32,
+            "group_size": 4,
+            "learning_rate": 2e-4,
             # Level-1 solutions are at most 20 tokens with EOS.
             "max_new_tokens": 24,
             "mismatch_every": 5,

@@ -13,9 +13,9 @@ seeds; checkpoints stay where they were trained, so train and evaluate on one ma
 import ml_collections
 
 from configs import small_gpu
+from trace_jax.rl.config_dict import section_config_dict
 from trace_jax.tables.grid import table_section
 from trace_jax.tables.ptq_table import PTQTableConfig
-from trace_jax.rl.config_dict import section_config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:

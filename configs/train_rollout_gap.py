@@ -12,9 +12,9 @@ the sampled tokens' log-probs measurably), or the trained policy `rl.init_from` 
 
 import ml_collections
 
+from trace_jax.rl.config_dict import section_config_dict
 from trace_jax.rl.experiment import experiment_config_dict
 from trace_jax.tables.gap import GapConfig
-from trace_jax.rl.config_dict import section_config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -16,7 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import harness
@@ -193,12 +193,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
             rows.append(bench_point(config, tuple(shape), context, ceil["read_bw"]))
             logging.info("%s", rows[-1])
             summary = summarize(rows, ceil)
-            table = harness.markdown_table(rows, COLUMNS)
-            harness.write_results(
+            table = harness.write_table(
                 name,
                 rows,
+                COLUMNS,
                 title="FP4 decode attention",
-                table=table,
                 notes=notes(summary, config.smoke),
                 outdir=outdir,
                 extra={"summary": summary},
@@ -207,17 +206,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("bench_decode_attention")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "kernels_decode_attention", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="bench_decode_attention", name="kernels_decode_attention")

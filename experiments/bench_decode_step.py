@@ -20,7 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -239,12 +239,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     rows = []
     for ctx in config.contexts:
         rows.append(bench.measure(ctx))
-        table = harness.markdown_table(rows, COLUMNS)
-        harness.write_results(
+        table = harness.write_table(
             name,
             rows,
+            COLUMNS,
             title="FP4 decode step",
-            table=table,
             notes=notes(config),
             outdir=outdir,
             extra={"summary": summarize(rows)},
@@ -253,17 +252,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("bench_decode_step")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "kernels_decode_step", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="bench_decode_step", name="kernels_decode_step")

@@ -16,7 +16,6 @@ import tempfile
 import time
 
 import numpy as np
-from absl import app, flags
 from ml_collections import ConfigDict
 
 from experiments import harness
@@ -109,32 +108,19 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         out.append(row)
         print(row, flush=True)
     cols = ["preset", "method", "durable", "MB_per_step", "write_s", "read_s", "round_trip_s"]
-    table = harness.markdown_table(out, [*cols, "write_MBps"], fmt=".3g")
     notes = (
         f"{rows} rollouts x {tokens} tokens per step in {mini_batches} mini-batch entries, the "
         f"guidance `{method}` captures on `{preset}` ({fmt}); random host data of the real shapes "
         f"on a local-directory store; median of {steps} steps after a warm-up. `durable`: an "
         "fsync per file before an entry counts as committed."
     )
-    harness.write_results(
-        name, out, title="Guidance store round trip per GRPO step", table=table, notes=notes,
-        outdir=outdir,
+    table = harness.write_table(
+        name, out, [*cols, "write_MBps"], title="Guidance store round trip per GRPO step",
+        notes=notes, fmt=".3g", outdir=outdir,
     )  # fmt: skip
     print(table)
     return out
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("bench_guidance_store")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "guidance_store", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="bench_guidance_store", name="guidance_store")

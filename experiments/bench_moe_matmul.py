@@ -13,7 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import logging
 from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
@@ -83,18 +83,17 @@ def bench(config: ConfigDict) -> list[dict]:
 def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Measures every phase and writes `<outdir>/<name>.{json,md}`; returns the rows."""
     rows = bench(config)
-    table = harness.markdown_table(rows, COLUMNS)
     notes = (
         f"{config.format} activations and weights; `fp4_grid`: the faster Pallas program order "
         "(both are in `fp4_ms_by_grid`); `fp4_rel_err_vs_reference`: the larger of the two "
         "against the XLA reference." + (harness.SMOKE_NOTE if config.smoke else "")
     )
     summary = {"speedup": {r["phase"]: r["speedup"] for r in rows}}
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        COLUMNS,
         title="FP4 MoE grouped matmul",
-        table=table,
         notes=notes,
         outdir=outdir,
         extra={"summary": summary},
@@ -103,17 +102,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("bench_moe_matmul")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "kernels_moe_matmul", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="bench_moe_matmul", name="kernels_moe_matmul")

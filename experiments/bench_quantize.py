@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import harness
@@ -113,12 +113,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     logging.info("ceilings %s", ceil)
     rows = bench(config, ceil["copy_bw"])
     summary = summarize(rows, ceil)
-    table = harness.markdown_table(rows, COLUMNS)
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        COLUMNS,
         title="FP4 quantize + capture",
-        table=table,
         notes=notes(summary, config.smoke),
         outdir=outdir,
         extra={"summary": summary},
@@ -127,17 +126,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("bench_quantize")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "kernels_quantize", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="bench_quantize", name="kernels_quantize")

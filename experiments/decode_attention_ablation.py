@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import logging
 from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
@@ -333,12 +333,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Times every variant and writes `<outdir>/<name>.{md,json}`; returns the rows."""
     rows, ceil = bench(config)
     cols = COLUMNS + (["error"] if any("error" in r for r in rows) else [])
-    table = harness.markdown_table(rows, cols, fmt=".4g")
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        cols,
         title="FP4 decode attention, cut down stage by stage",
-        table=table,
         notes=(
             "Each fp4 row is the production launch with the kernel body cut after that stage "
             "(module docstring of `experiments/decode_attention_ablation.py`); `added_ms`: over "
@@ -351,17 +350,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("decode_attention_ablation")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "decode_attention_ablation", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="decode_attention_ablation", name="decode_attention_ablation")

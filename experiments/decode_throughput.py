@@ -190,7 +190,6 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         config.format,
     )
     cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
-    table = harness.markdown_table(rows, [*cols, "compile_s"], fmt=".4g")
     notes = (
         f"Model `{config.model.preset}` (random init), batch {config.batch}, prompt "
         f"{config.prompt_len} tokens, {config.format} W/A/KV for the FP4 variants, temperature 1, "
@@ -200,11 +199,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         + (" SMOKE RUN: tiny sizes; the numbers mean nothing." if config.smoke else "")
         + f"\n\n![tokens/s vs output length]({name}.png)"
     )
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        [*cols, "compile_s"],
         title="Rollout decode throughput vs output length",
-        table=table,
         notes=notes,
         outdir=outdir,
     )
@@ -224,8 +223,7 @@ def main(argv):
 
 def define_flags() -> None:
     harness.define_config_flag("decode_throughput")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "decode_throughput", "result file stem")
+    harness.define_result_flags("decode_throughput")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
 
 

@@ -1,8 +1,12 @@
-"""Helpers shared by the entry points in `experiments/`: result artifacts, benchmark timing,
-and GPU worker subprocesses.
+"""Helpers shared by the entry points in `experiments/`: flags, result artifacts, benchmark
+timing, and GPU worker subprocesses.
+
+Flags: `define_config_flag` (`--config`), `define_result_flags` (`--outdir`, `--name`); `run_app`
+is the whole absl main of an entry point that writes one result.
 
 Results: `write_results` writes `<name>.json` (rows + provenance: command, device, date) and
-`<name>.md` (a markdown table) into `experiments/results/` or another directory.
+`<name>.md` (a markdown table) into `experiments/results/` or another directory; `write_table`
+does so with the rows' own table, the usual end of an entry point's `run`.
 
 Timing: median seconds per call of a jitted function, after warm-up. Each trial enqueues `inner`
 calls back to back (JAX dispatch is asynchronous, so the device runs them without gaps whenever a
@@ -14,8 +18,7 @@ neighbour's load) falls on all of them alike and ratios can be taken round by ro
 
 Kernel benchmarks: `ceilings` measures the device's read and copy bandwidth (what a kernel's
 bytes per second are compared against); `random_kv` and `packed_kv_cache` build the K/V inputs of
-the decode-attention benchmarks; `preset_model` turns a config's `model` section into a
-`ModelConfig`.
+the decode-attention benchmarks. A benchmark's `model` section is a `trace_jax.rl.ModelSpec`.
 
 Workers: `run_workers` runs one subprocess per item of a script's work, each pinned to a GPU.
 """
@@ -35,13 +38,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
-from trace_jax.models import ModelConfig
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -56,6 +57,27 @@ def define_config_flag(default: str | None = None) -> None:
     config_flags.DEFINE_config_file("config", path, "ml_collections config file", lock_config=True)
     if default is None:
         flags.mark_flags_as_required(["config"])
+
+
+def define_result_flags(name: str) -> None:
+    """Defines `--outdir` (default `RESULTS_DIR`) and `--name` (default `name`): an entry point
+    writes `<outdir>/<name>.{json,md}`."""
+    flags.DEFINE_string("outdir", RESULTS_DIR, "where results are written")
+    flags.DEFINE_string("name", name, "result file stem")
+
+
+def run_app(run: Callable[..., Any], *, config: str, name: str) -> None:
+    """The absl main of an entry point that writes one result: `--config` (default
+    `configs/<config>.py`), `--outdir` and `--name` (default `name`), then
+    `run(config, outdir=..., name=...)`."""
+    define_config_flag(config)
+    define_result_flags(name)
+
+    def main(argv):
+        del argv
+        run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+
+    app.run(main)
 
 
 GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
@@ -140,6 +162,24 @@ def write_results(
     with open(md_path, "w") as f:
         f.write(header + table + "\n" + (f"\n{notes}\n" if notes else ""))
     return {"json": json_path, "md": md_path}
+
+
+def write_table(
+    name: str,
+    rows: list[dict[str, Any]],
+    columns: Sequence[str],
+    *,
+    title: str,
+    notes: str = "",
+    fmt: str = ".4g",
+    outdir: str = RESULTS_DIR,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """`write_results` with the markdown table of `rows`' `columns` (`markdown_table`, floats
+    formatted with `fmt`) as the table; returns that table, for the caller to print."""
+    table = markdown_table(rows, columns, fmt)
+    write_results(name, rows, title=title, table=table, notes=notes, outdir=outdir, extra=extra)
+    return table
 
 
 def rows_written_by(path: str, producer: str, required: Sequence[str]) -> list[dict[str, Any]]:
@@ -265,15 +305,6 @@ def packed_kv_cache(x: jax.Array, fmt: fp4.BlockFormat) -> PackedTensorCache:
     b, s = x.shape[:2]
     slots = jnp.broadcast_to(jnp.arange(s), (b, s))
     return PackedTensorCache.empty(x.shape, fmt).write(fp4.quantize(x, fmt), slots)
-
-
-def preset_model(model: ml_collections.ConfigDict) -> ModelConfig:
-    """`ModelConfig.<model.preset>` with the section's other fields that are set (not None) as
-    overrides, e.g. {"preset": "tiny", "n_layers": 2, "head_dim": None}."""
-    if model.preset not in ("tiny", "small"):  # the others are shape-only stand-ins
-        raise ValueError(f"model.preset must be 'tiny' or 'small', got {model.preset!r}")
-    overrides = {k: v for k, v in model.items() if k != "preset" and v is not None}
-    return getattr(ModelConfig, model.preset)(**overrides)
 
 
 def worker_command(module: str, worker_flag: str, item, argv: Sequence[str]) -> list[str]:

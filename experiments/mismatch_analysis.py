@@ -17,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 import matplotlib
-from absl import app, flags, logging
+from absl import logging
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
@@ -175,17 +175,5 @@ def run(
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("mismatch_analysis")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "mismatch_analysis", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="mismatch_analysis", name="mismatch_analysis")

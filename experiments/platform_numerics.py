@@ -28,7 +28,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import logging
 from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
@@ -209,12 +209,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     cols += ["pallas_vs_xla", "codes_differ", "scales_differ", "global_scales_differ"]
     cols += ["max_abs_dequantized_diff"]
     cols = [c for c in cols if any(c in r for r in rows)]  # the sections run
-    table = harness.markdown_table(rows, cols, fmt=".4g")
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        cols,
         title="The quantizer's bits on the device against the CPU",
-        table=table,
         notes=(
             f"Device {getattr(device, 'device_kind', device.platform)} against the host CPU of "
             "the same run (module docstring of `experiments/platform_numerics.py`). reciprocal: "
@@ -229,17 +228,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("platform_numerics")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "platform_numerics", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="platform_numerics", name="platform_numerics")

@@ -28,11 +28,11 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import ptq_table
 from trace_jax.tables.grid import BENCHMARK_SPLITS
-from trace_jax.rl.config_dict import from_section
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -111,10 +111,7 @@ def run(
         f"on {calibration_prompts} training prompts; weight_sq_error: summed squared error of the "
         f"routed-expert weights.\n\n![pass@1 by policy]({name}.png)"
     )
-    harness.write_results(
-        name, rows, title=TITLE, table=harness.markdown_table(rows, columns), notes=notes,
-        outdir=outdir,
-    )  # fmt: skip
+    harness.write_table(name, rows, columns, title=TITLE, notes=notes, outdir=outdir)
     plot(rows, os.path.join(outdir, f"{name}.png"))
     return rows
 
@@ -145,8 +142,7 @@ if __name__ == "__main__":
     harness.define_config_flag("table7_ptq")
     flags.DEFINE_list("bf16_policy", [], "BF16-trained policies, one per seed (RL workdirs)")
     flags.DEFINE_list("trace_policy", [], "TRACE's final policies, one per seed (optional)")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where the table is written")
-    flags.DEFINE_string("name", "table7_ptq", "result file stem")
+    harness.define_result_flags("table7_ptq")
     flags.DEFINE_list("gpus", [], "evaluate the seeds in parallel, seed k on gpus[k % len(gpus)]")
     flags.DEFINE_integer("worker_seed", -1, "internal: evaluate this seed only (a --gpus worker)")
     flags.DEFINE_string("plot_from", "", "only redraw <table>.png from this written <table>.json")

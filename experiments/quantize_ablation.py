@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import harness
@@ -210,12 +210,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Times every variant and writes `<outdir>/<name>.{md,json}`; returns the rows."""
     rows = bench(config)
     cols = COLUMNS + (["error"] if any("error" in r for r in rows) else [])
-    table = harness.markdown_table(rows, cols, fmt=".4g")
-    harness.write_results(
+    table = harness.write_table(
         name,
         rows,
+        cols,
         title="FP4 quantize + capture, cut down stage by stage",
-        table=table,
         notes=(
             f"Input {config.rows} x {config.cols} bf16, RTN, the api's column tiles unless the "
             "config sets the tile. Each stage row is the production launch with the kernel body "
@@ -230,17 +229,5 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
-
-
-def define_flags() -> None:
-    harness.define_config_flag("quantize_ablation")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "quantize_ablation", "result file stem")
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    harness.run_app(run, config="quantize_ablation", name="quantize_ablation")

@@ -26,10 +26,10 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import step_time
-from trace_jax.rl.config_dict import from_section
 from trace_jax.tables.step_time import GUIDANCE_IO_PARTS, PHASES, StepTimeConfig
 
 matplotlib.use("Agg")
@@ -110,10 +110,9 @@ def run(
         f"`step_vs_reference`: step time over `{reference}`'s (paper: TRACE +7.4% over plain "
         f"FP4 rollout).\n\n![step time by phase]({name}.png)"
     )
-    table = harness.markdown_table(rows, cols)
-    harness.write_results(
-        name, rows, title="GRPO step time: TRACE vs plain FP4 rollout", table=table,
-        notes=notes, outdir=outdir,
+    table = harness.write_table(
+        name, rows, cols, title="GRPO step time: TRACE vs plain FP4 rollout", notes=notes,
+        outdir=outdir,
     )  # fmt: skip
     plot(rows, os.path.join(outdir, f"{name}.png"))
     print(table)
@@ -140,8 +139,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", "workdir/rl_step_time", "one run directory per method")
     flags.DEFINE_list("gpus", [], "one GPU per method: run them concurrently, each alone on one")
     flags.DEFINE_string("worker_method", "", "internal: run this one method (a --gpus subprocess)")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "rl_step_time", "result file stem")
+    harness.define_result_flags("rl_step_time")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
     app.run(main)

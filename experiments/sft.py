@@ -44,12 +44,11 @@ def main(argv):
     quiet_third_party(flags.FLAGS.verbose)
     cd, workdir = flags.FLAGS.config, flags.FLAGS.workdir
     rows = run_sft(ExperimentConfig.from_config_dict(cd), workdir)
-    table = harness.markdown_table(rows, list(rows[0]))
-    harness.write_results(
+    table = harness.write_table(
         "sft_eval",
         rows,
+        list(rows[0]),
         title="SFT warm start: pass@1 on the held-out splits",
-        table=table,
         notes=f"Model preset `{cd.model.preset}`, {cd.sft.steps} steps of batch "
         f"{cd.sft.batch_size}, task levels {list(cd.tasks.levels)}; k = {cd.eval.k} samples "
         f"at temperature {cd.eval.temperature}.",

@@ -24,10 +24,10 @@ from absl import app, flags
 
 from experiments import harness
 from trace_jax.quant.config import GUIDABLE_SITES
+from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables.gap import GapConfig, GapResult, measure_gap
-from trace_jax.rl.config_dict import from_section
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -107,7 +107,6 @@ def main(argv):
 
 if __name__ == "__main__":
     harness.define_config_flag("train_rollout_gap")
-    flags.DEFINE_string("outdir", harness.RESULTS_DIR, "where results are written")
-    flags.DEFINE_string("name", "train_rollout_gap", "result file stem")
+    harness.define_result_flags("train_rollout_gap")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
     app.run(main)

@@ -1,17 +1,15 @@
-"""Benchmark inputs and ceilings from the harness: random K/V, the packed FP4 cache, model presets
-from a config section, and the bandwidth ceilings."""
+"""Benchmark inputs and ceilings from the harness: random K/V, the packed FP4 cache and the
+bandwidth ceilings."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from experiments import harness
 from trace_jax import fp4
-from trace_jax.models import ModelConfig
 
 
 def test_random_kv_is_bf16_and_seeded():
@@ -30,18 +28,6 @@ def test_packed_kv_cache_holds_every_slot_rounded_to_nearest(fmt):
     assert cache.shape == (2, 7, 3, 32) and cache.fmt == fmt
     want = fp4.dequantize(fp4.quantize(k.astype(jnp.float32), fmt), jnp.float32)
     np.testing.assert_array_equal(np.asarray(cache.read(jnp.float32)), np.asarray(want))
-
-
-def test_preset_model_applies_the_fields_that_are_set():
-    section = ml_collections.ConfigDict(
-        {"preset": "tiny", "n_layers": 2, "head_dim": ml_collections.config_dict.placeholder(int)}
-    )
-    assert harness.preset_model(section) == ModelConfig.tiny(n_layers=2)
-    section.preset = "small"
-    assert harness.preset_model(section) == ModelConfig.small(n_layers=2)
-    section.preset = "qwen3_5_35b_a3b"  # shape-only: never allocated by a benchmark
-    with pytest.raises(ValueError, match="'tiny' or 'small', got 'qwen3_5_35b_a3b'"):
-        harness.preset_model(section)
 
 
 def test_ceilings_are_bytes_over_seconds(monkeypatch):

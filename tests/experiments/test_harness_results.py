@@ -76,3 +76,16 @@ def test_rows_written_by_checks_the_producer_keys(tmp_path):
     path.write_text(json.dumps({"meta": {}}))
     with pytest.raises(ValueError, match="not a result written by m"):
         harness.rows_written_by(str(path), "m", ("x",))
+
+
+def test_write_table_writes_the_rows_with_their_own_table(tmp_path):
+    rows = [{"op": "a", "ms": 1.23456, "extra": 1}, {"op": "b", "ms": 2.0}]
+    table = harness.write_table(
+        "t", rows, ["op", "ms"], title="T", notes="N", fmt=".2f", outdir=str(tmp_path),
+        extra={"summary": {"best": "a"}},
+    )  # fmt: skip
+    assert table == "| op | ms |\n|---|---|\n| a | 1.23 |\n| b | 2.00 |"
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["rows"] == rows and saved["summary"] == {"best": "a"}
+    md = (tmp_path / "t.md").read_text()
+    assert md.startswith("# T\n") and md.endswith(f"\n{table}\n\nN\n")

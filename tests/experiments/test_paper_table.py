@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
 import subprocess
@@ -140,24 +139,3 @@ def test_command_line_writes_a_partial_table_from_logs(tmp_path):
     assert "--config.rl.steps=10" in saved["meta"]["command"]
     md = (tmp_path / "table5_layers.md").read_text()
     assert "seeds not yet run: trace half, trace quarter, trace eighth" in md
-
-
-TABLE_ENTRY_POINTS = (
-    "paper_table", "run_tables", "ptq_table", "rl_step_time", "site_mismatch", "train_rollout_gap",
-)  # fmt: skip
-
-
-@pytest.mark.parametrize("name", TABLE_ENTRY_POINTS)
-def test_entry_point_imports_only_the_harness_and_public_names(name):
-    tree = ast.parse((ROOT / "experiments" / f"{name}.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            names = [a.name for a in node.names]
-            assert not any(n.startswith("_") for n in names), names
-            if node.module == "experiments":
-                assert names == ["harness"], names
-            assert not (node.module or "").startswith("experiments."), node.module
-        elif isinstance(node, ast.Import):
-            assert not any(a.name.startswith("experiments") for a in node.names)
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            assert not node.attr.startswith("_") or node.attr.startswith("__"), node.attr

@@ -1,4 +1,5 @@
-"""A small task rollout for RL step tests: problems -> prompts x group -> `generate`."""
+"""Small RL runs for the tests: a task rollout for the step tests (problems -> prompts x group
+-> `generate`) and the config the loop tests share."""
 
 from __future__ import annotations
 
@@ -6,11 +7,30 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
+from tests import tiny
 from trace_jax import tasks
 from trace_jax.rl.methods import MethodSetup
 from trace_jax.rollout import Rollout, SamplingConfig, generate
+
+
+def loop_config_dict(**rl) -> ml_collections.ConfigDict:
+    """The RL loop tests' runs, `rl` overriding: 3 steps of 2 prompts x 2 samples of 8 new tokens
+    on the 2-block tiny model. The single-process and the disaggregated loop tests share these
+    shapes, and so their compiled steps."""
+    cd = tiny.experiment_config()
+    cd.rl.update(
+        steps=3,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        mismatch_every=0,  # on in its own test (each mismatch step compiles a forward)
+    )
+    cd.rl.update(rl)
+    return cd
 
 
 def task_rollout(model, setup: MethodSetup, *, n_problems: int, group_size: int) -> Rollout:

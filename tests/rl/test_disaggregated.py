@@ -14,7 +14,7 @@ import types
 import jax
 import numpy as np
 
-from tests import tiny
+from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.rl import disaggregated
@@ -25,18 +25,9 @@ from trace_jax.rl.workers import RolloutBatch, RolloutWorker, init_policy
 
 
 def _config(lag: int = 0, **rl) -> ExperimentConfig:
-    """The shapes of `tests/rl/test_loop.py`'s runs (compiled steps are shared)."""
-    cd = tiny.experiment_config()
-    cd.rl.update(
-        steps=3,
-        prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=8,
-        eval_every=0,
-        learning_rate=1e-2,
-        mismatch_every=0,
-    )
-    cd.rl.update(rl)
+    """`loop_config_dict`'s runs (the loop tests' shapes) without evaluation, the rollout
+    process at most `lag` steps ahead."""
+    cd = loop_config_dict(**{"eval_every": 0, **rl})
     cd.disaggregated.update(lag=lag, timeout_s=120.0)
     return ExperimentConfig.from_config_dict(cd)
 

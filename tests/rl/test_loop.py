@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from tests import tiny
+from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import (
     GuidanceError,
@@ -35,19 +36,8 @@ COMPARED = ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_l
 def _config(**rl) -> ExperimentConfig:
     """3 steps of 2 prompts x 2 samples on the 2-block tiny model; the final step evaluates one
     split; checkpoints only at step 0 (multiples of 5) unless forced."""
-    cd = tiny.experiment_config()
+    cd = loop_config_dict(**{"eval_every": 3, "checkpoint_every": 5, **rl})
     cd.eval.update(splits=("level1",), problems_per_split=2, max_new_tokens=8)
-    cd.rl.update(
-        steps=3,
-        prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=8,
-        eval_every=3,
-        checkpoint_every=5,
-        learning_rate=1e-2,
-        mismatch_every=0,  # on in its own test below (each mismatch step compiles a forward)
-    )
-    cd.rl.update(rl)
     return ExperimentConfig.from_config_dict(cd)
 
 

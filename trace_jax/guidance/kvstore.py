@@ -38,6 +38,17 @@ class Kv:
             store.path = store.path + "/"
         return cls(store, context)
 
+    def open_zarr3(self, path: str, *, create: bool = False, **spec) -> ts.Future:
+        """Opens the zarr3 array under `path` of this kvstore in its context, or with `create`
+        creates it (failing if it exists); `spec`: more of its tensorstore spec."""
+        return ts.open(
+            {"driver": "zarr3", **spec},
+            kvstore=self.store / path,
+            open=not create,
+            create=create,
+            context=self.context,
+        )
+
     def file_root(self) -> str | None:
         """The directory of a file kvstore (None for any other driver)."""
         spec = self.store.spec().to_json()

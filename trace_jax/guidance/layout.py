@@ -80,6 +80,14 @@ class EntryKey:
     def manifest_key(self) -> str:
         return self.prefix + MANIFEST
 
+    def data_prefix(self, data_dir: str) -> str:
+        """The prefix of one write attempt's arrays (`data_dir`: "data_<token>")."""
+        return f"{self.prefix}{data_dir}/"
+
+    def leaf_prefix(self, data_dir: str, site_dir: str, leaf: str) -> str:
+        """The prefix of one leaf's zarr3 array (`site_dir`: the site's `site_dir`)."""
+        return f"{self.data_prefix(data_dir)}{site_dir}/{leaf}/"
+
     def __str__(self) -> str:
         return f"guidance[run={self.run!r}, step={self.step}, micro_batch={self.micro_batch}]"
 

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from trace_jax.fp4.formats import get_format
 from trace_jax.fp4.guidance import Guidance, GuidanceMode
@@ -227,20 +226,14 @@ class GuidanceReader:
         self, key: EntryKey, manifest: dict[str, Any], sites: list[str]
     ) -> dict[str, dict[str, np.ndarray]]:
         """site -> leaf -> stored array, checked against the manifest's shapes, dtypes, crc32s."""
-        data_prefix = f"{key.prefix}{manifest['data']}/"
         # Open every array, then start every read, then wait: the kvstore round trips overlap.
         opened = []
         for site in sites:
             doc = manifest["sites"][site]
             for leaf, leaf_doc in doc["leaves"].items():
-                path = f"{data_prefix}{doc['dir']}/{leaf}/"
-                f = ts.open(
-                    # A missing chunk is damage here, not the fill value.
-                    {"driver": "zarr3", "fill_missing_data_reads": False},
-                    kvstore=self._kv.store / path,
-                    open=True,
-                    context=self._kv.context,
-                )
+                path = key.leaf_prefix(manifest["data"], doc["dir"], leaf)
+                # A missing chunk is damage here, not the fill value.
+                f = self._kv.open_zarr3(path, fill_missing_data_reads=False)
                 opened.append((site, leaf, leaf_doc, path, f))
         reads = []
         for site, leaf, leaf_doc, path, f in opened:

@@ -26,12 +26,9 @@ layout is described in `trace_jax.guidance.layout`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trace_jax.fp4.guidance import Guidance
 from trace_jax.guidance.config import Fallback, GuidanceStoreConfig
 from trace_jax.guidance.errors import GuidanceError
 from trace_jax.guidance.gc import GarbageCollector
@@ -45,6 +42,19 @@ __all__ = ["Fallback", "GuidanceStore", "GuidanceStoreConfig", "WriteResult"]
 log = logging.getLogger(__name__)
 
 
+class _Delegated:
+    """A `GuidanceStore` attribute that is one of its parts': `store.<name>` is
+    `store.<part>.<attr>` (a bound method, or a property's value), so the part's signature and
+    docstring are the only ones."""
+
+    def __init__(self, part: str, cls: type, attr: str):
+        self.part, self.attr = part, attr
+        self.__doc__ = f"`{cls.__name__}.{attr}`: {getattr(cls, attr).__doc__}"
+
+    def __get__(self, store: GuidanceStore | None, owner: type | None = None) -> Any:
+        return self if store is None else getattr(getattr(store, self.part), self.attr)
+
+
 class GuidanceStore:
     """Writes and reads rollout guidance entries; see the module docstring.
 
@@ -55,6 +65,7 @@ class GuidanceStore:
       versions: the `PolicyVersions` (published policy version per run).
       collector: the `GarbageCollector` (listing and deleting entries).
 
+    The other attributes are the parts' own, named below (`store.read` is `store.reader.read`).
     Thread-safe. Use as a context manager, or call `close()` (which flushes) when done.
     """
 
@@ -71,39 +82,29 @@ class GuidanceStore:
         """A store on a fresh in-memory kvstore (this process only): for tests."""
         return cls(GuidanceStoreConfig(kvstore={"driver": "memory"}, **overrides))
 
-    # ---- writing: `GuidanceWriter` -------------------------------------------------------------
+    # Writing: asynchronous writes, each committed by its manifest.
+    write_async = _Delegated("writer", GuidanceWriter, "write_async")
+    write = _Delegated("writer", GuidanceWriter, "write")
+    flush = _Delegated("writer", GuidanceWriter, "flush")
 
-    def write_async(
-        self,
-        run: str,
-        step: int,
-        guidance: Mapping[str, Guidance],
-        *,
-        policy_version: int,
-        micro_batch: int = 0,
-    ) -> concurrent.futures.Future[WriteResult]:
-        """Starts writing one entry; returns a future of its `WriteResult` (`GuidanceWriter`)."""
-        return self.writer.write_async(
-            run, step, guidance, policy_version=policy_version, micro_batch=micro_batch
-        )
+    # Reading: verified reads with a counted RTN fallback.
+    read = _Delegated("reader", GuidanceReader, "read")
+    read_async = _Delegated("reader", GuidanceReader, "read_async")
+    fallback_count = _Delegated("reader", GuidanceReader, "fallback_count")
+    fallbacks = _Delegated("reader", GuidanceReader, "fallbacks")
+    read_manifest = _Delegated("reader", GuidanceReader, "read_manifest")
+    exists = _Delegated("reader", GuidanceReader, "exists")
+    wait = _Delegated("reader", GuidanceReader, "wait")
 
-    def write(
-        self,
-        run: str,
-        step: int,
-        guidance: Mapping[str, Guidance],
-        *,
-        policy_version: int,
-        micro_batch: int = 0,
-    ) -> WriteResult:
-        """Writes and commits one entry, raising its failure here (`GuidanceWriter.write`)."""
-        return self.writer.write(
-            run, step, guidance, policy_version=policy_version, micro_batch=micro_batch
-        )
+    # The policy-version handshake: the trainer publishes, the rollout waits.
+    publish_version = _Delegated("versions", PolicyVersions, "publish")
+    published_version = _Delegated("versions", PolicyVersions, "published")
+    wait_for_version = _Delegated("versions", PolicyVersions, "wait_for")
 
-    def flush(self) -> None:
-        """Waits for every write started so far; raises `GuidanceError` if any failed."""
-        self.writer.flush()
+    # Listing and garbage collection.
+    entries = _Delegated("collector", GarbageCollector, "entries")
+    gc = _Delegated("collector", GarbageCollector, "collect")
+    discard_from = _Delegated("collector", GarbageCollector, "discard_from")
 
     def close(self) -> None:
         """Flushes, then stops the background threads. Idempotent."""
@@ -123,87 +124,3 @@ class GuidanceStore:
             self.close()
         except GuidanceError as e:
             log.error("while closing the guidance store: %s", e)
-
-    # ---- reading: `GuidanceReader` -------------------------------------------------------------
-
-    def read(
-        self,
-        run: str,
-        step: int,
-        *,
-        expected_version: int,
-        micro_batch: int = 0,
-        max_staleness: int | None = None,
-        sites: Iterable[str] | None = None,
-        fallback: str | Fallback | None = None,
-        timeout_s: float = 0.0,
-    ) -> dict[str, Guidance] | None:
-        """Reads and verifies one entry; None on a counted RTN fallback (`GuidanceReader.read`)."""
-        return self.reader.read(
-            run,
-            step,
-            expected_version=expected_version,
-            micro_batch=micro_batch,
-            max_staleness=max_staleness,
-            sites=sites,
-            fallback=fallback,
-            timeout_s=timeout_s,
-        )
-
-    def read_async(
-        self, run: str, step: int, **kwargs
-    ) -> concurrent.futures.Future[dict[str, Guidance] | None]:
-        """`read` on a background thread (prefetch the next step's guidance)."""
-        return self.reader.read_async(run, step, **kwargs)
-
-    @property
-    def fallback_count(self) -> int:
-        """How many reads fell back to RTN (missing + corrupt + wrong version)."""
-        return self.reader.fallback_count
-
-    @property
-    def fallbacks(self) -> dict[str, int]:
-        """RTN fallbacks by reason: "missing", "corrupt", "version"."""
-        return self.reader.fallbacks
-
-    def read_manifest(self, run: str, step: int, micro_batch: int = 0) -> dict[str, Any]:
-        """The verified manifest of a committed entry (raises Missing / Corrupt errors)."""
-        return self.reader.read_manifest(run, step, micro_batch)
-
-    def exists(self, run: str, step: int, micro_batch: int = 0) -> bool:
-        """Whether the entry is committed."""
-        return self.reader.exists(run, step, micro_batch)
-
-    def wait(self, run: str, step: int, micro_batch: int = 0, *, timeout_s: float) -> bool:
-        """Waits up to `timeout_s` for the entry to be committed; returns whether it is."""
-        return self.reader.wait(run, step, micro_batch, timeout_s=timeout_s)
-
-    # ---- policy-version handshake: `PolicyVersions` --------------------------------------------
-
-    def publish_version(self, run: str, version: int) -> None:
-        """Trainer: records that run `run` is now at policy `version` (never moves backwards)."""
-        self.versions.publish(run, version)
-
-    def published_version(self, run: str) -> int | None:
-        """The policy version the trainer published for `run` (None before the first)."""
-        return self.versions.published(run)
-
-    def wait_for_version(self, run: str, at_least: int, *, timeout_s: float) -> int:
-        """Rollout: waits until the published version is >= `at_least`; returns it (raises
-        `TimeoutError` naming the run and the versions)."""
-        return self.versions.wait_for(run, at_least, timeout_s=timeout_s)
-
-    # ---- listing and garbage collection: `GarbageCollector` ------------------------------------
-
-    def entries(self, run: str) -> list[tuple[int, int]]:
-        """Committed entries of `run` as sorted (step, micro_batch) pairs."""
-        return self.collector.entries(run)
-
-    def gc(self, run: str, up_to_step: int) -> list[tuple[int, int]]:
-        """Deletes every entry of `run` with step <= `up_to_step` (consumed); returns them."""
-        return self.collector.collect(run, up_to_step)
-
-    def discard_from(self, run: str, step: int) -> list[tuple[int, int]]:
-        """Deletes every entry of `run` with step >= `step` (a resumed run samples them again);
-        returns them."""
-        return self.collector.discard_from(run, step)

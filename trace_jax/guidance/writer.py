@@ -203,7 +203,6 @@ class GuidanceWriter:
 
         # Unique per attempt, so racing or retried writers never overwrite each other's data.
         data_dir = f"data_{uuid.uuid4().hex[:16]}"
-        data_prefix = f"{key.prefix}{data_dir}/"
         pending, writes = [], []
         try:
             site_docs: dict[str, Any] = {}
@@ -219,13 +218,8 @@ class GuidanceWriter:
                         inner_chunk_bytes=self.config.inner_chunk_bytes,
                         zstd_level=self.config.zstd_level,
                     )
-                    path = f"{data_prefix}{layout.site_dir(site)}/{leaf}/"
-                    opened = ts.open(
-                        {"driver": "zarr3", "metadata": md},
-                        kvstore=self._kv.store / path,
-                        create=True,
-                        context=self._kv.context,
-                    )
+                    path = key.leaf_prefix(data_dir, layout.site_dir(site), leaf)
+                    opened = self._kv.open_zarr3(path, create=True, metadata=md)
                     pending.append((opened, stored))
                     leaf_docs[leaf] = {
                         "shape": list(stored.shape),
@@ -272,7 +266,7 @@ class GuidanceWriter:
                     f.result()
                 except Exception:
                     pass
-            self._delete_prefix(data_prefix)
+            self._delete_prefix(key.data_prefix(data_dir))
             raise
         return WriteResult(key, version, nbytes, time.perf_counter() - t0)
 

@@ -28,8 +28,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.config_dict import from_section, section_config_dict
+from trace_jax.rl.experiment import ExperimentConfig
 
 BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
 
