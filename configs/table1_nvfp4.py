@@ -1,6 +1,6 @@
 r"""Table 1 analog: NVFP4 W/A/KV rollouts, every method, 3 seeds, on the `small` preset.
 
-  python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=workdir/table1
+python -m experiments.paper_table --config=configs/table1_nvfp4.py --workdir=workdir/table1
 """
 
 import ml_collections

@@ -1,6 +1,6 @@
 r"""Table 4 analog: MXFP4 W4A8 and W4A4 (FP4 KV), TRACE vs vanilla FP4 QAT, 3 seeds, `small`.
 
-  python -m experiments.paper_table --config=configs/table4_mxfp4.py --workdir=workdir/table4
+python -m experiments.paper_table --config=configs/table4_mxfp4.py --workdir=workdir/table4
 """
 
 import ml_collections
