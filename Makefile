@@ -15,7 +15,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 quickstart: $(STAMP)
-	$(PY) -m experiments.quickstart --config=configs/tiny_cpu.py --workdir=workdir/quickstart
+	$(PY) -m experiments.quickstart --config=configs/quickstart.py --workdir=workdir/quickstart
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -60,11 +60,12 @@ def method_summary(rows: Sequence[dict], smooth_steps: int) -> dict[str, float]:
 
 
 def moving_average(values: Sequence[float], width: int) -> np.ndarray:
-    """float64 [len(values)]: the mean of each value and the up to `width - 1` before it."""
-    v = np.asarray(values, np.float64)
-    c = np.concatenate([[0.0], np.cumsum(v)])
-    lo = np.maximum(np.arange(1, len(v) + 1) - width, 0)
-    return (c[1:] - c[lo]) / (np.arange(1, len(v) + 1) - lo)
+    """float64 [len(values) - width + 1]: the mean of each `width` consecutive values (entry i
+    ends at value i + width - 1)."""
+    if not 1 <= width <= len(values):
+        raise ValueError(f"width={width} must be in [1, {len(values)} values]")
+    c = np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
+    return (c[width:] - c[:-width]) / width
 
 
 def _check(config: ExperimentConfig, methods: Sequence[str], smooth_steps: int) -> None:
@@ -111,7 +112,7 @@ def run(cd, workdir: str) -> list[dict]:
         # After SFT, the policy scored in the execution this method's rollouts and evaluation use.
         sft_key = (
             "pass@1_bf16" if run_config.method_setup().rollout_mode is SiteMode.OFF
-            else "pass@1_nvfp4"
+            else "pass@1_bf16"
         )  # fmt: skip
         summary = method_summary(metric_rows, smooth)
         row = {
@@ -173,13 +174,13 @@ def plot(curves: dict[str, list[dict]], smooth: int, path: str) -> str:
         steps = [r["step"] for r in rows]
         reward = [r["reward"] for r in rows]
         axes[0].plot(steps, reward, "o", ms=2.5, color=color, alpha=0.35)
-        axes[0].plot(steps, moving_average(reward, smooth), "-", color=color, label=method)
+        axes[0].plot(steps[smooth - 1 :], moving_average(reward, smooth), color=color, label=method)
         axes[1].plot(steps, [r[GAP] for r in rows], "-", color=color, label=method)
         measured = [(r["step"], r[MISMATCH]) for r in rows if MISMATCH in r]
         if measured:
             axes[2].plot(*zip(*measured, strict=True), "o-", ms=3, color=color, label=method)
     titles = (
-        f"reward (dots: per step; line: {smooth}-step mean)",
+        f"reward (dots: per step; line: mean of the last {smooth})",
         "train-rollout gap: mean |logp train - rollout|",
         "code mismatch, trainer vs rollout FP4 codes",
     )

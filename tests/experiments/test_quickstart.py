@@ -36,10 +36,13 @@ def test_method_summary_means_of_the_first_and_last_steps_and_of_the_measured_st
         quickstart.method_summary(rows, 6)
 
 
-def test_moving_average_over_the_steps_so_far():
+def test_moving_average_of_full_windows():
     values = [3.0, 1.0, 4.0, 1.0, 5.0]
-    want = [np.mean(values[max(0, i - 2) : i + 1]) for i in range(len(values))]
+    want = [np.mean(values[i : i + 3]) for i in range(3)]
     np.testing.assert_allclose(quickstart.moving_average(values, 3), want)
+    np.testing.assert_allclose(quickstart.moving_average(values, 1), values)
+    with pytest.raises(ValueError, match=r"width=6 must be in \[1, 5 values\]"):
+        quickstart.moving_average(values, 6)
 
 
 @pytest.mark.parametrize(
