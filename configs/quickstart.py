@@ -12,6 +12,10 @@ prompts average that out better than 16 x 8 at the same cost. The learning rate 
 sampled reward within 40 steps without hurting greedy accuracy (3e-4 already lowers it: each
 AdamW step of a noisy policy gradient moves every weight by about the rate).
 
+`trace` guides the deeper half of the blocks (its default), where round-to-nearest misses the
+most rollout codes (the mismatch grows with depth); its shallower blocks round to nearest as in
+`fp4_qat`, so its code mismatch is lower but not zero.
+
 Evaluation: pass@1 from 4 samples per problem at the rollout temperature (what RL optimizes;
 greedy accuracy barely moves in 40 steps) on the 96 problems of the in-distribution split
 `level1`, of which the 32 programs are the trained kind. Code mismatch is measured every 5

@@ -5,12 +5,13 @@ r"""The main job: one SFT start trained by RL with vanilla FP4 QAT and with TRAC
 
 Trains the `tiny` MoE on worked solutions once (`trace_jax.rl.sft_or_reuse` into
 `<workdir>/sft`), then runs GRPO with NVFP4 rollouts from that checkpoint once per method of
-`quickstart.methods` (`trace_jax.rl.RLLoop` into `<workdir>/rl_<method>`): `fp4_qat` fake-quantizes
-in the trainer by round-to-nearest, which misses some of the rollout's real FP4 rounding
-decisions; `trace` replays the rollout's decisions from its compact guidance. Writes
+`quickstart.methods` (`trace_jax.rl.RLLoop` into `<workdir>/rl_<method>`): `fp4_qat`
+fake-quantizes in the trainer by round-to-nearest, which misses some of the rollout's real FP4
+rounding decisions; `trace` replays the rollout's decisions from its compact guidance. Writes
 `<workdir>/quickstart.{md,json,png}` and prints the table: per method the smoothed reward of
 the first and last steps, the train-rollout log-prob gap, the code mismatch, and pass@1 after
-SFT and after RL. Rerunning reuses the finished stages (an interrupted RL run resumes).
+SFT and after RL. Each stage shows a progress bar; third-party INFO logging (orbax, absl) shows
+only with `--verbose`. Rerunning reuses the finished stages (an interrupted RL run resumes).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def run(cd, workdir: str) -> list[dict]:
         # After SFT, the policy scored in the execution this method's rollouts and evaluation use.
         sft_key = (
             "pass@1_bf16" if run_config.method_setup().rollout_mode is SiteMode.OFF
-            else "pass@1_bf16"
+            else "pass@1_nvfp4"
         )  # fmt: skip
         summary = method_summary(metric_rows, smooth)
         row = {
@@ -130,13 +131,12 @@ def run(cd, workdir: str) -> list[dict]:
             {k: r[k] for k in ("step", "reward", GAP, MISMATCH) if k in r} for r in metric_rows
         ]
     seconds["total"] = time.perf_counter() - t0
-    table = harness.markdown_table(rows, list(rows[0]))
     notes = _notes(config, cd.model.preset, smooth, seconds)
-    harness.write_results(
+    table = harness.write_table(
         "quickstart",
         rows,
+        list(rows[0]),
         title="Quickstart: RL of one SFT start with vanilla FP4 QAT and with TRACE",
-        table=table,
         notes=notes,
         outdir=workdir,
         extra={"curves": curves, "sft_eval": sft_rows, "seconds": seconds},
@@ -159,9 +159,10 @@ def _notes(config: ExperimentConfig, preset: str, smooth: int, seconds: dict[str
         f"over a step's samples, averaged over the first / last {smooth} steps. Train-rollout "
         "gap: mean |log p_train - log p_rollout| over response tokens and steps. Code mismatch: "
         "fraction of FP4 codes at the quantized sites where the trainer's fake quantization "
-        f"differs from the rollout's, on every {rl.mismatch_every}th step. pass@1: k = {ev.k} at "
-        f"temperature {ev.temperature} on {ev.problems_per_split} problems per split, in the "
-        f"method's rollout execution. Time this run: {timing}."
+        f"differs from the rollout's, every {rl.mismatch_every} steps. pass@1: mean over k = "
+        f"{ev.k} samples at temperature {ev.temperature} of the first {ev.problems_per_split} "
+        "problems of each split (of every task kind the split holds), in the method's rollout "
+        f"execution. Time this run: {timing}."
     )
 
 
