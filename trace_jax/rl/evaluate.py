@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from trace_jax import tasks
 from trace_jax.models import Qwen3MoE
@@ -73,6 +74,12 @@ def pass_at_1_by_split(
     of each of `config.splits`, split i sampled with `keys[i]`."""
     if len(keys) != len(config.splits):
         raise ValueError(f"{len(keys)} PRNG keys for {len(config.splits)} splits")
+    splits = tqdm(
+        zip(config.splits, keys, strict=True),
+        total=len(config.splits),
+        desc=f"eval ({'bf16' if mode is SiteMode.OFF else 'fp4'})",
+        leave=False,
+    )
     return {
         name: evaluate_pass_at_1(
             model,
@@ -84,5 +91,5 @@ def pass_at_1_by_split(
             qcfg=qcfg,
             mode=mode,
         )
-        for name, key in zip(config.splits, keys, strict=True)
+        for name, key in splits
     }
