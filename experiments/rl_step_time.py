@@ -1,7 +1,7 @@
 r"""GRPO step time of TRACE against plain FP4 rollouts, split into rollout, guidance I/O, training.
 
   python -m experiments.rl_step_time --workdir=/tmp/steptime --gpus=0,1
-  python -m experiments.rl_step_time --config.step_time.methods=trace,fp4_qat \
+  python -m experiments.rl_step_time --config.step_time.methods="('trace', 'fp4_qat')" \
       --config.step_time.steps=25 --workdir=/tmp/steptime
 
 Runs each method of `step_time.methods` (`configs/rl_step_time.py`: the `small` preset) for
