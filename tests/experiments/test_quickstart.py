@@ -14,6 +14,9 @@ from trace_jax.rl import loop as rl_loop
 from trace_jax.rl import sft as rl_sft
 from trace_jax.rl.metrics_log import read_rows
 
+# One worker runs the shared smoke run (a module fixture) for every test of this module.
+pytestmark = pytest.mark.xdist_group("quickstart_smoke_run")
+
 METHODS = ("fp4_qat", "trace")
 
 
