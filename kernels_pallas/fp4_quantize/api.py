@@ -217,8 +217,14 @@ def _quantize_pallas(
         loop_n=loop_n,
         pack=pack,
     )
-    # With column tiles the global scale is the one the kernel was given (guided: the rollout's).
-    gsc = gsc[0] if gsc else (guide[2] if guide is not None else s_g)
+    # With column tiles the global scale is the one the kernel was given (guided: the rollout's,
+    # except on rows whose own is NaN, as in `quantize_core`).
+    if gsc:
+        gsc = gsc[0]
+    elif guide is None or s_g is None:
+        gsc = s_g
+    else:
+        gsc = jnp.where(jnp.isnan(s_g), s_g, guide[2])
 
     def unflat(a):
         return a[:rows].reshape(*lead, a.shape[-1])

@@ -172,3 +172,59 @@ def test_full_guidance_as_compact_equals_compact_capture():
         assert got.mode is fp4.GuidanceMode.COMPACT and compact.as_compact() is compact
         for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(compact), strict=True):
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _with_nonfinite(x: np.ndarray, seed: int) -> np.ndarray:
+    """`x` with NaN, +Inf, -Inf and 1e30 at random positions (two rows left clean)."""
+    rng = np.random.default_rng(seed)
+    x = x.copy()
+    rows = rng.permutation(x.shape[0])[2:]
+    for i, value in enumerate([np.nan, np.inf, -np.inf, 1e30, np.nan, -1e30]):
+        x[rows[i % len(rows)], rng.integers(x.shape[1])] = value
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "entry"))
+def _guided_values(x, g, fmt, entry):
+    """Dequantized guided rounding of `x` by `entry`: "quantize" (with its QTensor) or
+    "fake_quant" (with its straight-through gradient of sum(values))."""
+    if entry == "quantize":
+        q = fp4.quantize(x, fmt, rounding="guided", guidance=g)
+        return fp4.dequantize(q), q
+    values, vjp = jax.vjp(lambda t: fp4.fake_quant(t, fmt, rounding="guided", guidance=g), x)
+    return values, vjp(jnp.ones_like(x))[0]
+
+
+@pytest.mark.parametrize("entry", ["quantize", "fake_quant"])
+@pytest.mark.parametrize("mode", ["full", "compact"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_guided_rounding_keeps_the_nan_policy_of_rtn(name, mode, entry):
+    """A block (NVFP4: a row) holding NaN or Inf dequantizes to NaN under guided rounding exactly
+    where RTN's does; 1e30 is finite for both. The other blocks are guided as if clean."""
+    fmt = fp4.get_format(name)
+    rng = np.random.default_rng(21)
+    x_clean = (rng.standard_normal((8, 64)) * 2).astype(np.float32)
+    x = _with_nonfinite(x_clean, seed=len(name) + len(mode))
+    mask = jnp.asarray(np.arange(8) != 5)  # a row without guidance: the trainer's own RTN
+    g = fp4.make_guidance(fp4.quantize(x_clean * 1.01, fmt), mode, mask=mask)
+
+    rtn = fp4.quantize(x, fmt)
+    rtn_nan = np.isnan(np.asarray(fp4.dequantize(rtn)))
+    assert rtn_nan.any() and not rtn_nan.all()
+    values, aux = _guided_values(jnp.asarray(x), g, fmt, entry)
+    values = np.asarray(values)
+    np.testing.assert_array_equal(np.isnan(values), rtn_nan)
+    # Unmarked blocks: the guided values of the same input with its NaN and Inf zeroed.
+    clean_values, _ = _guided_values(jnp.asarray(np.where(np.isfinite(x), x, 0)), g, fmt, entry)
+    np.testing.assert_array_equal(values[~rtn_nan], np.asarray(clean_values)[~rtn_nan])
+    if entry == "quantize":  # the same NaN scales (and NVFP4 global scales) and codes as RTN's
+        marked = np.isnan(np.asarray(fp4.scales_to_float32(rtn.scales, fmt)))
+        got = np.asarray(fp4.scales_to_float32(aux.scales, fmt))
+        np.testing.assert_array_equal(np.isnan(got), marked)
+        rows = np.any(marked, axis=-1)
+        codes, rtn_codes = np.asarray(aux.codes), np.asarray(rtn.codes)
+        np.testing.assert_array_equal(codes[rtn_nan], rtn_codes[rtn_nan])
+        if fmt.has_global_scale:
+            np.testing.assert_array_equal(np.isnan(np.asarray(aux.global_scale))[:, 0], rows)
+    else:  # straight-through: the identity, NaN blocks or not
+        np.testing.assert_array_equal(np.asarray(aux), np.ones_like(x))

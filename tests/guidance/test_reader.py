@@ -3,19 +3,23 @@ to RTN (counted), and an entry is read back bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.guidance.support import (
     RUN,
     assert_same_guidance,
+    capture,
     file_store,
     numpy_guidance,
     shard_file,
 )
+from trace_jax.fp4 import Guidance
 from trace_jax.guidance import GuidanceCorruptError, GuidanceMissingError, GuidanceStore
 
 
@@ -99,3 +103,40 @@ def test_missing_raises_or_falls_back_counted():
     assert store.read(RUN, 3, expected_version=0) is not None
     assert store.fallback_count == 2
     store.close()
+
+
+def degenerate_guidance() -> dict[str, Guidance]:
+    """Guidance whose stored blocks are all zeros or NaN, or that has one row or none: for each
+    FP4 format and mode, the capture of `[16, 256]` rows of which the first eight are zero, one
+    holds NaN and one Inf, and its slices."""
+    x = jax.random.normal(jax.random.key(5), (16, 256)).at[:8].set(0.0)
+    x = x.at[9, 7].set(jnp.nan).at[10, 200].set(jnp.inf)
+    out = {}
+    for fmt in ("nvfp4", "mxfp4"):
+        for mode in ("compact", "full"):
+            g = capture(x, fmt=fmt, mode=mode)
+
+            def rows(sl, g=g):
+                return jax.tree.map(lambda a: a[sl], g)
+
+            out[f"half_zero/{fmt}_{mode}"] = g  # whole inner chunks of zeros (256-byte chunks)
+            out[f"zeros/{fmt}_{mode}"] = rows(slice(0, 4))  # an all-zero activation
+            out[f"masked/{fmt}_{mode}"] = dataclasses.replace(g, mask=jnp.zeros(16, bool))
+            out[f"nan/{fmt}_{mode}"] = rows(slice(8, 12))  # NaN block scales
+            out[f"one_row/{fmt}_{mode}"] = rows(slice(11, 12))
+            out[f"empty/{fmt}_{mode}"] = rows(slice(0, 0))
+    return out
+
+
+def test_degenerate_entries_read_back_and_a_deleted_chunk_is_corrupt(tmp_path):
+    """An entry is readable iff its write committed, whatever its values: blocks equal to the
+    zarr fill value (zeros, an all-False mask) are stored too, so a deleted one is damage."""
+    guidance = degenerate_guidance()
+    assert np.isnan(np.asarray(guidance["nan/mxfp4_full"].scales, np.float32)).any()
+    with file_store(tmp_path, inner_chunk_bytes=256) as store:
+        for step in (0, 1):
+            store.write(RUN, step, guidance, policy_version=0)
+        assert_same_guidance(guidance, store.read(RUN, 0, expected_version=0))
+        shard_file(tmp_path, 1, "zeros/mxfp4_full", "payload").unlink()
+        with pytest.raises(GuidanceCorruptError, match=r"zeros%2Fmxfp4_full/payload.*NOT_FOUND"):
+            store.read(RUN, 1, expected_version=0)

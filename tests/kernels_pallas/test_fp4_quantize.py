@@ -21,7 +21,10 @@ def _assert_same(a, b):
     assert len(la) == len(lb)
     for u, v in zip(la, lb, strict=True):
         assert u.shape == v.shape and u.dtype == v.dtype
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        u, v = np.asarray(u), np.asarray(v)
+        if u.dtype.itemsize == 1:  # float8 scales by their bits (numpy sees no NaN in them)
+            u, v = u.view(np.uint8), v.view(np.uint8)
+        np.testing.assert_array_equal(u, v)
 
 
 def _x(shape, seed, dtype=jnp.float32):
@@ -29,6 +32,19 @@ def _x(shape, seed, dtype=jnp.float32):
     x = jax.random.t(k1, 3.0, shape) * jnp.exp(jax.random.normal(k2, (*shape[:-1], 1)) * 2)
     x = x.reshape(-1, shape[-1]).at[0, :32].set(0.0).reshape(shape)  # an all-zero block
     return x.astype(dtype)
+
+
+def _with_nonfinite(x):
+    """`x` with NaN, +Inf, -Inf and 1e30 in four of its rows (a diverged trainer's input)."""
+    return x.at[1, 5].set(jnp.nan).at[2, 70].set(jnp.inf).at[3, 0].set(-jnp.inf).at[4, 33].set(1e30)
+
+
+def _assert_nan_where_rtn(out, x, fmt):
+    """The capture dequantizes to NaN exactly where RTN of `x` does (RTN's NaN policy)."""
+    got = np.isnan(np.asarray(fp4.dequantize(out.qtensor())))
+    want = np.isnan(np.asarray(fp4.dequantize(fp4.quantize(x, fmt))))
+    assert want.any() and not want.all()
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
@@ -56,8 +72,10 @@ def test_guided_matches_reference(fmt, mode):
     x = _x((6, 128), seed=3)
     noise = jax.random.normal(jax.random.key(9), x.shape)
     g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    x = _with_nonfinite(x)
     out = fp4_quantize(x, fmt, guidance=g, implementation="pallas", block_r=4)
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    _assert_nan_where_rtn(out, x, fmt)
     own = fp4.quantize(x, fmt)
     assert not np.array_equal(np.asarray(out.qtensor().codes), np.asarray(own.codes))
 
@@ -114,11 +132,13 @@ def test_column_tiles_match_reference(fmt, mode, pack):
     if mode is not None:
         noise = jax.random.normal(jax.random.key(4), x.shape)
         g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    x = _with_nonfinite(x)
     out, ran = fp4_quantize_with_implementation(
         x, fmt, guidance=g, implementation="pallas", block_r=2, block_n=64, pack=pack
     )
     assert ran is Implementation.PALLAS
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    _assert_nan_where_rtn(out, x, fmt)
     with pytest.raises(ValueError, match="block_n"):
         fp4_quantize(x, fmt, implementation="pallas", block_n=48)
 
@@ -187,8 +207,10 @@ def test_row_loop_matches_reference(fmt, mode):
     if mode is not None:
         noise = jax.random.normal(jax.random.key(5), x.shape)
         g = fp4.make_guidance(fp4.quantize(x * (1 + 0.02 * noise), fmt), mode)
+    x = _with_nonfinite(x)
     out = fp4_quantize(x, fmt, guidance=g, implementation="pallas", block_r=2, loop_n=64)
     _assert_same(out, quantize_capture_reference(x, fmt, guidance=g))
+    _assert_nan_where_rtn(out, x, fmt)
     with pytest.raises(ValueError, match="loop_n"):
         fp4_quantize(x, fmt, implementation="pallas", loop_n=48)
     with pytest.raises(ValueError, match="without block_n"):

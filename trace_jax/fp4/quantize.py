@@ -65,7 +65,8 @@ def quantize_core(
       rounding: RTN, STOCHASTIC (with `u ~ U[0, 1)` of x's shape) or GUIDED.
       guide_codes / guide_bits: GUIDED: the rollout's codes (full) or mantissa bits (compact),
         uint8 `[..., N]` (exactly one of them).
-      guide_scale_bits, guide_global: the rollout's block-scale bits `[..., NB]` and global scale.
+      guide_scale_bits, guide_global: the rollout's block-scale bits `[..., NB]` and global scale,
+        used wherever the trainer's own are not NaN.
       guide_rows: bool `[...]` rows that carry guidance (None: all).
       scale_bits: block-scale bits uint8 `[..., NB]` to use instead of the max-abs rule (scale
         search in `trace_jax.quant.ptq`); None computes them.
@@ -86,10 +87,14 @@ def quantize_core(
 
     guided = rounding is Rounding.GUIDED
     if guided:
+        # The rollout's scales replace the trainer's own except where those are NaN (the block or
+        # its NVFP4 global group holds NaN or Inf): guided rounding marks the blocks RTN marks,
+        # and no finite number stands in for the trainer's NaN.
         row = True if guide_rows is None else guide_rows[..., None]
-        bits = jnp.where(row, guide_scale_bits, bits)
+        own_nan = jnp.isnan(scales.scale_bits_to_float32(bits, fmt))
+        bits = jnp.where(row & ~own_nan, guide_scale_bits, bits)
         if s_g is not None:
-            s_g = jnp.where(row, guide_global, s_g)
+            s_g = jnp.where(row & ~jnp.isnan(s_g), guide_global, s_g)
 
     z = scales.normalize(xb, bits, s_g, fmt, estimate=est)
     a = jnp.minimum(jnp.abs(z), spec.max_value)
@@ -153,7 +158,8 @@ def quantize(
 
     Returns:
       A `QTensor` with codes uint8 `[..., N]`. NaN/Inf inputs give a NaN scale for their block
-      (and NVFP4 global group), so they dequantize to NaN.
+      (and NVFP4 global group), so they dequantize to NaN; guided rounding too, where the
+      trainer's NaN scale overrides the rollout's.
     """
     fmt = get_format(fmt)
     rounding = Rounding(rounding)

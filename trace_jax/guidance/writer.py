@@ -219,7 +219,13 @@ class GuidanceWriter:
                         zstd_level=self.config.zstd_level,
                     )
                     path = key.leaf_prefix(data_dir, layout.site_dir(site), leaf)
-                    opened = self._kv.open_zarr3(path, create=True, metadata=md)
+                    # Every inner chunk is stored, also one equal to the fill value (an all-zero
+                    # block): the reader treats a missing chunk as damage, so that a deleted chunk
+                    # is detected. No fill value could stand in: uint8 and bool leaves take every
+                    # value of their type.
+                    opened = self._kv.open_zarr3(
+                        path, create=True, metadata=md, store_data_equal_to_fill_value=True
+                    )
                     pending.append((opened, stored))
                     leaf_docs[leaf] = {
                         "shape": list(stored.shape),
