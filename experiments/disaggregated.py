@@ -6,7 +6,10 @@ r"""Rollout and training as separate processes, linked only by files in a shared
 
 `trace_jax.rl.disaggregated` describes the handshake (policy checkpoints, rollout files, the
 guidance store) and what each process writes. `--role=both` starts the two roles as child
-processes of this one, with the same flags.
+processes of this one, with the same flags. The two watch each other's heartbeat: when one
+dies, the other exits within `disaggregated.heartbeat_timeout_s` (10 s) naming it. The runner
+does not resume: a workdir where a role ran before is refused up front, unless `--fresh`
+(with `--role=both`) moves it aside first.
 """
 
 from __future__ import annotations
@@ -18,38 +21,66 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from experiments import harness
-from trace_jax.rl.disaggregated import run_rollout, run_trainer
+from trace_jax.rl.disaggregated import (
+    ROLES,
+    PartnerGoneError,
+    WorkdirReusedError,
+    refuse_reused_workdir,
+    run_rollout,
+    run_trainer,
+)
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
+from trace_jax.rl.workdir import move_aside
 
-ROLES = ("trainer", "rollout")
+RUNNERS = {"trainer": run_trainer, "rollout": run_rollout}
 
 
 def role_commands(argv: Sequence[str]) -> list[list[str]]:
-    """The child processes of `--role=both`: this module with `argv`'s flags, once per role."""
-    args = [a for a in argv[1:] if not a.startswith("--role")]
+    """The child processes of `--role=both`: this module with `argv`'s flags, once per role
+    (`--fresh` is the parent's: it has moved the workdir aside already)."""
+    own = ("--role", "--fresh", "--nofresh")
+    args = [a for a in argv[1:] if not a.startswith(own)]
     cmd = [sys.executable, "-m", "experiments.disaggregated", *args]
     return [[*cmd, f"--role={role}"] for role in ROLES]
+
+
+def run_both(argv: Sequence[str], workdir: str, *, fresh: bool = False) -> None:
+    """Starts the two roles as child processes (`role_commands`) and waits for both, after
+    refusing a workdir where either ran before (or moving it aside when `fresh`): before two
+    processes spend their start-up on it."""
+    if fresh:
+        move_aside(workdir)
+    refuse_reused_workdir(workdir)
+    procs = [subprocess.Popen(cmd) for cmd in role_commands(argv)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a process failed: exit codes {dict(zip(ROLES, codes, strict=True))}")
 
 
 def main(argv):
     del argv  # flags stripped: the children get this process's command line
     f = flags.FLAGS
     quiet_third_party(f.verbose)
-    config = ExperimentConfig.from_config_dict(f.config)  # refuses a lag beyond max_staleness
-    if f.role == "rollout":
-        run_rollout(config, f.workdir)
-    elif f.role == "trainer":
-        run_trainer(config, f.workdir)
-    else:
-        procs = [subprocess.Popen(cmd) for cmd in role_commands(sys.argv)]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise SystemExit(f"a process failed: exit codes {dict(zip(ROLES, codes, strict=True))}")
+    if f.fresh and f.role != "both":
+        raise app.UsageError(
+            "--fresh needs --role=both: one role alone cannot tell whether its partner has "
+            "started in the workdir already"
+        )
+    try:
+        with harness.refusals_exit():
+            config = ExperimentConfig.from_config_dict(f.config)  # refuses bad settings
+            if f.role == "both":
+                run_both(sys.argv, f.workdir, fresh=f.fresh)
+            else:
+                RUNNERS[f.role](config, f.workdir)
+    except (WorkdirReusedError, PartnerGoneError) as e:  # the message says it all
+        raise SystemExit(f"error ({f.role}): {e}") from None
 
 
 def define_flags() -> None:
     harness.define_config_flag("tiny_cpu")
+    harness.define_fresh_flag()
     flags.DEFINE_string("workdir", "workdir/disaggregated", "shared by the two processes")
     flags.DEFINE_enum("role", "both", ["rollout", "trainer", "both"], "which process this is")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")

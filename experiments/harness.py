@@ -1,8 +1,10 @@
 """Helpers shared by the entry points in `experiments/`: flags, result artifacts, benchmark
 timing, and GPU worker subprocesses.
 
-Flags: `define_config_flag` (`--config`), `define_result_flags` (`--outdir`, `--name`); `run_app`
-is the whole absl main of an entry point that writes one result.
+Flags: `define_config_flag` (`--config`: a file that does not load stops the program at once),
+`define_fresh_flag` (`--fresh`), `define_result_flags` (`--outdir`, `--name`); `run_app` is the
+whole absl main of an entry point that writes one result; `refusals_exit` turns the library's
+refusals of settings into a one-line error.
 
 Results: `write_results` writes `<name>.json` (rows + provenance: command, device, date) and
 `<name>.md` (a markdown table) into `experiments/results/` or another directory; `write_table`
@@ -25,6 +27,7 @@ Workers: `run_workers` runs one subprocess per item of a script's work, each pin
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -38,25 +41,84 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
+from trace_jax.rl.config_dict import ConfigError
+from trace_jax.rl.workdir import WorkdirConfigError
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def define_config_flag(default: str | None = None) -> None:
+class _ConfigFileParser(flags.ArgumentParser):
+    """ml_collections' config file parser (`loader`), failing at once in one line: a missing file
+    (which ml_collections reports only when the config is first read, a traceback later) or one
+    whose import or `get_config` raises. absl prints the error and exits before `main` runs, so
+    no entry point starts any work or creates any directory with a config it could not load."""
+
+    def __init__(self, loader: flags.ArgumentParser):
+        self.loader = loader
+
+    def flag_type(self) -> str:
+        return self.loader.flag_type()
+
+    def parse(self, path):
+        file = path.split(":", 1)[0]
+        if not os.path.isfile(file):
+            raise ValueError(f"no config file {file!r} (from {os.getcwd()})")
+        try:
+            config = self.loader.parse(path)
+        except Exception as e:
+            # ml_collections puts the whole traceback in the message: keep its last line.
+            last = [line for line in str(e).splitlines() if line.strip()][-1:] or [repr(e)]
+            cause = last[0] if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"config file {file!r} failed to load: {cause}") from None
+        if not isinstance(config, ml_collections.ConfigDict):
+            raise ValueError(f"config file {file!r}: get_config() returned {type(config).__name__}")
+        return config
+
+
+def define_config_flag(default: str | None = None, flag_values=flags.FLAGS) -> None:
     """Defines `--config`: an ml_collections config file, locked (overrides like
     `--config.rl.steps=5` may only set fields the file defines). `default` names a file of
     `configs/` (without `.py`) used when `--config` is not given; None makes the flag required.
+    A file that is missing or fails to load stops the program at flag parsing with a one-line
+    error (`FATAL Flags parsing error: ...`), before `main` runs.
     """
     path = None if default is None else os.path.join(CONFIGS_DIR, f"{default}.py")
-    config_flags.DEFINE_config_file("config", path, "ml_collections config file", lock_config=True)
+    config_flags.DEFINE_config_file(
+        "config", path, "ml_collections config file", flag_values=flag_values, lock_config=True
+    )
+    flag = flag_values["config"]
+    flag.parser = _ConfigFileParser(flag.parser)
     if default is None:
-        flags.mark_flags_as_required(["config"])
+        flags.mark_flags_as_required(["config"], flag_values=flag_values)
+
+
+def define_fresh_flag() -> None:
+    """Defines `--fresh`: move an existing workdir aside (`trace_jax.rl.workdir.move_aside`) and
+    start over, instead of resuming or reusing what it holds."""
+    flags.DEFINE_bool(
+        "fresh",
+        False,
+        "move an existing --workdir aside to <workdir>.old-<n> and start over (a workdir made "
+        "with other settings is refused otherwise)",
+    )
+
+
+@contextlib.contextmanager
+def refusals_exit():
+    """Ends the program with a one-line error (exit status 1) when the library refuses the
+    settings: a bad setting (`ConfigError`) or a workdir made with other settings
+    (`WorkdirConfigError`). Their messages name what to change; a traceback adds nothing."""
+    try:
+        yield
+    except (ConfigError, WorkdirConfigError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def define_result_flags(name: str) -> None:
@@ -230,7 +292,8 @@ def time_interleaved(
     """Seconds per call of several jitted functions, timed in alternation.
 
     calls: name -> (fn, args). Every function is compiled and warmed up first (`on_ready(name)`
-    after each, e.g. to log or time the compilation); then each of `rounds` rounds times every
+    after each, e.g. to log or time the compilation; a `jax.stages.Compiled` fn runs as it is,
+    compiled by the caller); then each of `rounds` rounds times every
     function once (the median of `trials` trials of `inner` calls), in an order rotated by one
     per round so that no function always runs first. Returns name -> its `rounds` per-round
     seconds per call.
@@ -239,7 +302,7 @@ def time_interleaved(
         raise ValueError(f"need at least one round and one call, got {rounds} and {len(calls)}")
     ready = {}
     for name, (fn, args) in calls.items():
-        f = jax.jit(fn)
+        f = fn if isinstance(fn, jax.stages.Compiled) else jax.jit(fn)
         for _ in range(warmup):
             jax.block_until_ready(f(*args))
         ready[name] = (f, args)

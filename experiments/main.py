@@ -5,7 +5,9 @@ r"""GRPO with FP4 rollouts and any registered method, in one process; resumable.
 
 Runs `trace_jax.rl.RLLoop` (what it writes to --workdir: `trace_jax/rl/loop.py`), then plots
 `rl_curves.png` (reward, train-rollout log-prob gap, response length per step). Rerun the same
-command to resume after a kill.
+command to resume after a kill. A bad setting is refused before anything is created; a workdir
+made with other settings is refused (`trace_jax.rl.workdir`: more steps and the eval /
+checkpoint cadence may change) unless `--fresh` moves it aside first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
+from trace_jax.rl.workdir import move_aside
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -49,16 +52,29 @@ def plot_curves(workdir: str) -> str | None:
     return path
 
 
+def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
+    """The RL run of the experiment ConfigDict `cd` in `workdir` (after moving an existing one
+    aside when `fresh`), then its curves; returns the metric rows of the steps it ran. The
+    settings are checked before anything is created."""
+    config = ExperimentConfig.from_config_dict(cd)
+    if fresh:
+        move_aside(workdir)
+    history = RLLoop(config, workdir).run()
+    plot_curves(workdir)
+    return history
+
+
 def main(argv):
     del argv
-    quiet_third_party(flags.FLAGS.verbose)
-    config = ExperimentConfig.from_config_dict(flags.FLAGS.config)
-    RLLoop(config, flags.FLAGS.workdir).run()
-    plot_curves(flags.FLAGS.workdir)
+    f = flags.FLAGS
+    quiet_third_party(f.verbose)
+    with harness.refusals_exit():
+        run(f.config, f.workdir, fresh=f.fresh)
 
 
 def define_flags() -> None:
     harness.define_config_flag("tiny_cpu")
+    harness.define_fresh_flag()
     flags.DEFINE_string("workdir", "workdir/rl", "checkpoints, guidance store, logs")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
 

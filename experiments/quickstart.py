@@ -11,7 +11,10 @@ rounding decisions; `trace` replays the rollout's decisions from its compact gui
 `<workdir>/quickstart.{md,json,png}` and prints the table: per method the smoothed reward of
 the first and last steps, the train-rollout log-prob gap, the code mismatch, and pass@1 after
 SFT and after RL. Each stage shows a progress bar; third-party INFO logging (orbax, absl) shows
-only with `--verbose`. Rerunning reuses the finished stages (an interrupted RL run resumes).
+only with `--verbose`. Rerunning reuses the finished stages (an interrupted RL run resumes), and
+the notes say which stages were reused from where. A stage made with other settings is refused
+(`trace_jax.rl.workdir`: more RL steps and the eval / checkpoint cadence may change); `--fresh`
+moves the old workdir aside and starts over.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from absl import app, flags
 
 from experiments import harness
 from trace_jax.quant import SiteMode
+from trace_jax.rl.config_dict import Checks
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.loop import RLLoop
+from trace_jax.rl.methods import METHODS
 from trace_jax.rl.metrics_log import read_rows
-from trace_jax.rl.sft import SFT_CHECKPOINT, sft_or_reuse
+from trace_jax.rl.sft import SFT_CHECKPOINT, sft_finished, sft_or_reuse
+from trace_jax.rl.workdir import move_aside
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -70,30 +76,44 @@ def moving_average(values: Sequence[float], width: int) -> np.ndarray:
 
 
 def _check(config: ExperimentConfig, methods: Sequence[str], smooth_steps: int) -> None:
-    rl = config.rl
-    if not methods or len(set(methods)) != len(methods):
-        raise ValueError(f"quickstart.methods must be distinct method names; got {methods}")
-    if rl.format != "nvfp4":
-        # The SFT stage evaluates bf16 and NVFP4 execution only.
-        raise ValueError(f"rl.format must be 'nvfp4' (the SFT evaluation's); got {rl.format!r}")
-    if not rl.eval_every or rl.steps % rl.eval_every:
-        raise ValueError(
-            f"rl.steps={rl.steps} must be a multiple of rl.eval_every={rl.eval_every} "
-            "so that the final policy is evaluated"
-        )
-    if not 1 <= smooth_steps <= rl.steps:
-        raise ValueError(f"quickstart.smooth_steps={smooth_steps} must be in [1, rl.steps]")
+    """Refuses (`ConfigError`) the settings that cannot give the table, before any stage runs."""
+    rl, c = config.rl, Checks("quickstart config")
+    unknown = [m for m in methods if m not in METHODS]
+    c.need(
+        bool(methods) and len(set(methods)) == len(methods) and not unknown,
+        "quickstart.methods",
+        f"must be distinct registered methods ({sorted(METHODS)}), got {methods}",
+    )
+    # The SFT stage evaluates bf16 and NVFP4 execution only.
+    c.need(rl.format == "nvfp4", "rl.format", f"must be 'nvfp4' (the SFT's), got {rl.format!r}")
+    c.need(
+        bool(rl.eval_every) and rl.steps % rl.eval_every == 0,
+        ("rl.steps", "rl.eval_every"),
+        f"disagree: {rl.steps} steps must be a multiple of {rl.eval_every} so that the final "
+        "policy is evaluated",
+    )
+    c.need(
+        1 <= smooth_steps <= rl.steps,
+        "quickstart.smooth_steps",
+        f"must be in [1, rl.steps={rl.steps}], got {smooth_steps}",
+    )
+    c.raise_any()
 
 
-def run(cd, workdir: str) -> list[dict]:
+def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
     """SFT once, then one RL run per method of `cd.quickstart.methods`; writes the artifacts and
-    returns the table's rows (one per method)."""
+    returns the table's rows (one per method). The settings are checked before anything is
+    created; `fresh` moves an existing `workdir` aside first."""
     config = ExperimentConfig.from_config_dict(cd)
     methods, smooth = tuple(cd.quickstart.methods), int(cd.quickstart.smooth_steps)
     _check(config, methods, smooth)
-    seconds = {}
+    if fresh:
+        move_aside(workdir)
+    seconds, reused = {}, []
     t0 = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft")
+    if sft_finished(sft_dir):
+        reused.append(f"SFT reused from {sft_dir}")
     sft_rows, seconds["sft"] = sft_or_reuse(config, sft_dir)
     sft_scores = {r["split"]: r for r in sft_rows}
     rows, curves = [], {}
@@ -104,8 +124,12 @@ def run(cd, workdir: str) -> list[dict]:
         run_config = dataclasses.replace(config, rl=rl)
         rl_dir = os.path.join(workdir, f"rl_{method}")
         t = time.perf_counter()
-        RLLoop(run_config, rl_dir).run()
+        ran = RLLoop(run_config, rl_dir).run()
         seconds[f"rl_{method}"] = time.perf_counter() - t
+        if not ran:
+            reused.append(f"RL {method} reused from {rl_dir}")
+        elif ran[0]["step"] > 0:
+            reused.append(f"RL {method} steps 0-{ran[0]['step'] - 1} reused from {rl_dir}")
         metric_rows = read_rows(os.path.join(rl_dir, "rl_metrics.jsonl"))
         final = read_rows(os.path.join(rl_dir, "rl_eval.jsonl"))[-1]
         if final["step"] != rl.steps - 1:
@@ -131,7 +155,7 @@ def run(cd, workdir: str) -> list[dict]:
             {k: r[k] for k in ("step", "reward", GAP, MISMATCH) if k in r} for r in metric_rows
         ]
     seconds["total"] = time.perf_counter() - t0
-    notes = _notes(config, cd.model.preset, smooth, seconds)
+    notes = _notes(config, cd.model.preset, smooth, seconds, reused)
     table = harness.write_table(
         "quickstart",
         rows,
@@ -139,7 +163,7 @@ def run(cd, workdir: str) -> list[dict]:
         title="Quickstart: RL of one SFT start with vanilla FP4 QAT and with TRACE",
         notes=notes,
         outdir=workdir,
-        extra={"curves": curves, "sft_eval": sft_rows, "seconds": seconds},
+        extra={"curves": curves, "sft_eval": sft_rows, "seconds": seconds, "reused": reused},
     )
     plot(curves, smooth, os.path.join(workdir, "quickstart.png"))
     print(table)
@@ -147,9 +171,18 @@ def run(cd, workdir: str) -> list[dict]:
     return rows
 
 
-def _notes(config: ExperimentConfig, preset: str, smooth: int, seconds: dict[str, float]) -> str:
+def _notes(
+    config: ExperimentConfig,
+    preset: str,
+    smooth: int,
+    seconds: dict[str, float],
+    reused: Sequence[str],
+) -> str:
     rl, ev = config.rl, config.eval
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+    # A stage reused from an earlier run of the same settings (`trace_jax.rl.workdir`) is named,
+    # with where it was made: its time is not in this run's.
+    reuse = f" Reused from an earlier run: {'; '.join(reused)}." if reused else ""
     return (
         f"Model `{preset}` ({config.model.n_layers} blocks); SFT {config.sft.steps} steps of batch "
         f"{config.sft.batch_size} on level {list(config.tasks.levels)} problems of "
@@ -162,7 +195,7 @@ def _notes(config: ExperimentConfig, preset: str, smooth: int, seconds: dict[str
         f"differs from the rollout's, every {rl.mismatch_every} steps. pass@1: mean over k = "
         f"{ev.k} samples at temperature {ev.temperature} of the first {ev.problems_per_split} "
         "problems of each split (of every task kind the split holds), in the method's rollout "
-        f"execution. Time this run: {timing}."
+        f"execution. Time this run: {timing}.{reuse}"
     )
 
 
@@ -200,12 +233,15 @@ def plot(curves: dict[str, list[dict]], smooth: int, path: str) -> str:
 
 def main(argv):
     del argv
-    quiet_third_party(flags.FLAGS.verbose)
-    run(flags.FLAGS.config, flags.FLAGS.workdir)
+    f = flags.FLAGS
+    quiet_third_party(f.verbose)
+    with harness.refusals_exit():
+        run(f.config, f.workdir, fresh=f.fresh)
 
 
 def define_flags() -> None:
     harness.define_config_flag("quickstart")
+    harness.define_fresh_flag()
     flags.DEFINE_string("workdir", "workdir/quickstart", "where every stage writes")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl, jax)")
 

@@ -3,9 +3,10 @@ r"""Supervised warm start on worked solutions, then pass@1 on the held-out split
   python -m experiments.sft --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny
   python -m experiments.sft --config=configs/tiny_cpu.py --config.sft.steps=50 --workdir=/tmp/t
 
-Runs `trace_jax.rl.run_sft` (it writes `sft_metrics.jsonl`, `sft_checkpoint/` and
-`sft_eval.json` to --workdir), then writes `sft_eval.{json,md}` with provenance and
-`sft_loss.png`, and prints the table.
+Runs `trace_jax.rl.run_sft` (it writes `sft_metrics.jsonl`, `sft_checkpoint/`, `sft_eval.json`
+and `sft_config.json` to --workdir), then writes `sft_eval.{json,md}` with provenance and
+`sft_loss.png`, and prints the table. A bad setting is refused before anything is created; a
+workdir holding an SFT stage of other settings is refused unless `--fresh` moves it aside first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.sft import run_sft
+from trace_jax.rl.workdir import move_aside
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -39,11 +41,14 @@ def plot_loss(workdir: str) -> str:
     return path
 
 
-def main(argv):
-    del argv
-    quiet_third_party(flags.FLAGS.verbose)
-    cd, workdir = flags.FLAGS.config, flags.FLAGS.workdir
-    rows = run_sft(ExperimentConfig.from_config_dict(cd), workdir)
+def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
+    """SFT of the experiment ConfigDict `cd` in `workdir` (after moving an existing one aside
+    when `fresh`), then its result files and loss plot; returns the evaluation rows. The
+    settings are checked before anything is created."""
+    config = ExperimentConfig.from_config_dict(cd)
+    if fresh:
+        move_aside(workdir)
+    rows = run_sft(config, workdir)
     table = harness.write_table(
         "sft_eval",
         rows,
@@ -57,10 +62,20 @@ def main(argv):
     )
     plot_loss(workdir)
     print(table)
+    return rows
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    quiet_third_party(f.verbose)
+    with harness.refusals_exit():
+        run(f.config, f.workdir, fresh=f.fresh)
 
 
 def define_flags() -> None:
     harness.define_config_flag("tiny_cpu")
+    harness.define_fresh_flag()
     flags.DEFINE_string("workdir", "workdir/sft", "where checkpoints, logs and results go")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
 

@@ -26,7 +26,7 @@ ENTRY_POINTS = [
     "platform_numerics",
     "mismatch_analysis",
     "bench_guidance_store",
-    "decode_throughput",
+    "rollout_throughput",
 ]
 WITHOUT_SMOKE_VARIANT = {"mismatch_analysis", "bench_guidance_store"}
 # Every module of experiments/ but the shared harness.

@@ -13,6 +13,7 @@ from trace_jax.quant import SiteMode
 from trace_jax.rl import loop as rl_loop
 from trace_jax.rl import sft as rl_sft
 from trace_jax.rl.metrics_log import read_rows
+from trace_jax.rl.workdir import WorkdirConfigError
 
 # One worker runs the shared smoke run (a module fixture) for every test of this module.
 pytestmark = pytest.mark.xdist_group("quickstart_smoke_run")
@@ -51,10 +52,11 @@ def test_moving_average_of_full_windows():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("rl.eval_every", 3, r"rl\.steps=2 must be a multiple of rl\.eval_every=3"),
+        ("rl.eval_every", 3, r"rl\.steps and rl\.eval_every disagree: 2 steps must be a mul"),
         ("rl.format", "mxfp4_w4a4", r"rl\.format must be 'nvfp4'"),
-        ("quickstart.smooth_steps", 3, r"smooth_steps=3 must be in \[1, rl\.steps\]"),
-        ("quickstart.methods", ("trace", "trace"), "must be distinct"),
+        ("quickstart.smooth_steps", 3, r"smooth_steps must be in \[1, rl\.steps=2\], got 3"),
+        ("quickstart.methods", ("trace", "trace"), "must be distinct registered methods"),
+        ("quickstart.methods", ("trace", "grpo"), r"methods \(.*\), got \('trace', 'grpo'\)"),
     ],
 )
 def test_settings_that_cannot_give_the_table_are_refused_before_any_work(
@@ -134,10 +136,30 @@ def test_the_artifacts_carry_the_table_and_the_curves(finished):
     assert (workdir / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_rerun_reuses_every_finished_stage(finished):
+def test_a_rerun_with_other_sft_settings_is_refused_before_any_stage(finished):
+    """`sft.steps` 4 -> 10 in a finished workdir: the 4-step SFT stage is not reused as if it
+    were the 10-step one (nor the RL runs started from it); the table stays as it was."""
+    cd, workdir, _ = finished
+    table_before = (workdir / "quickstart.md").read_text()
+    other = cd.copy_and_resolve_references()
+    other.sft.steps = 10
+    with pytest.raises(WorkdirConfigError, match=r"sft\.steps: 4 -> 10.*--fresh"):
+        quickstart.run(other, str(workdir))
+    assert (workdir / "quickstart.md").read_text() == table_before
+    assert "Reused" not in table_before  # the first run made every stage itself
+
+
+def test_a_rerun_reuses_every_finished_stage_and_says_so(finished):
     cd, workdir, rows = finished
     metrics_before = (workdir / "rl_trace" / "rl_metrics.jsonl").read_text()
     again = quickstart.run(cd, str(workdir))  # no monkeypatch: any new evaluation would differ
     assert again == rows
     assert (workdir / "rl_trace" / "rl_metrics.jsonl").read_text() == metrics_before
-    assert json.loads((workdir / "quickstart.json").read_text())["seconds"]["sft"] == 0.0
+    saved = json.loads((workdir / "quickstart.json").read_text())
+    assert saved["seconds"]["sft"] == 0.0
+    assert saved["reused"] == [
+        f"SFT reused from {workdir / 'sft'}",
+        *(f"RL {m} reused from {workdir / f'rl_{m}'}" for m in METHODS),
+    ]
+    md = (workdir / "quickstart.md").read_text()
+    assert f"Reused from an earlier run: SFT reused from {workdir / 'sft'};" in md

@@ -34,7 +34,9 @@ def test_defaults_follow_the_paper():
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"grad_clip_norm": 0.0}, "grad_clip_norm"),
         ({"mini_batches": 0}, "mini_batches"),
-        ({"mini_batches": 5}, "max_staleness=3"),
+        ({"mini_batches": 5}, "mini_batches and max_staleness disagree"),
+        ({"adam_eps": float("nan")}, "adam_eps"),
+        ({"learning_rate": float("inf")}, "learning_rate"),
     ],
 )
 def test_invalid_values_raise(overrides, match):

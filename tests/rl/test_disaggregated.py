@@ -1,24 +1,40 @@
 """Rollout and trainer linked only by the workdir (policy checkpoints, rollout batches, the
 guidance store) reproduce the single-process loop; a lagging rollout trains stale guidance
 within max_staleness. The two sides run as two threads here: they share nothing but files, as
-two processes would (`experiments/disaggregated.py` starts them as processes)."""
+two processes would (`experiments/disaggregated.py` starts them as processes). Each watches the
+other's heartbeat and gives up waiting as soon as it is stale or says it exited; a workdir
+where a role ran is refused up front."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import os
+import threading
 import time
 import types
 
 import jax
 import numpy as np
+import pytest
 
 from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.rl import disaggregated
-from trace_jax.rl.disaggregated import load_rollout, run_rollout, run_trainer, save_rollout
+from trace_jax.rl.disaggregated import (
+    Heartbeat,
+    PartnerGoneError,
+    PartnerWatch,
+    WorkdirReusedError,
+    load_rollout,
+    read_heartbeat,
+    refuse_reused_workdir,
+    run_rollout,
+    run_trainer,
+    save_rollout,
+    wait_for,
+)
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.workers import RolloutBatch, RolloutWorker, init_policy
@@ -54,6 +70,13 @@ def test_two_sides_reproduce_the_single_process_loop(tmp_path):
     store_config = GuidanceStoreConfig(kvstore=str(tmp_path / "dis" / "guidance"))
     with GuidanceStore(store_config) as store:
         assert store.entries(_config().rl.run_id) == []
+    for role in ("trainer", "rollout"):
+        beat = read_heartbeat(str(tmp_path / "dis" / "heartbeats" / f"{role}.json"))
+        assert (beat["role"], beat["step"], beat["exit"]) == (role, 2, "finished")
+        # A rerun is refused before any work (nothing here resumes).
+        runner = run_trainer if role == "trainer" else run_rollout
+        with pytest.raises(WorkdirReusedError, match=rf"earlier {role} run.*step 2, finished"):
+            runner(_config(), str(tmp_path / "dis"))
 
 
 def test_lagging_rollout_trains_stale_guidance(tmp_path):
@@ -112,3 +135,44 @@ def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeyp
     with store:
         disaggregated.publish_rollout(store, worker, RolloutBatch(5, 10, roll), str(tmp_path))
     assert published == [("5.npz", [(5, 0), (5, 1)])]  # both entries committed before the batch
+
+
+def test_wait_for_gives_up_soon_after_the_partner_heartbeat_stops(tmp_path):
+    """A trainer that beat once (a process killed after that) is reported gone after the
+    heartbeat timeout, not after wait_for's own timeout."""
+    beat = Heartbeat(str(tmp_path), "trainer")
+    beat.step = 3
+    os.makedirs(os.path.dirname(beat.path))
+    beat.write()  # no beating thread: it stops here
+    watch = PartnerWatch(str(tmp_path), "trainer", timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(PartnerGoneError) as info:
+        wait_for(str(tmp_path / "policy" / "1"), "policy version 1", 60.0, partner=watch)
+    assert 0.4 < time.monotonic() - t0 < 5
+    message = str(info.value)
+    assert f"the trainer (pid {os.getpid()}" in message and "last seen at step 3" in message
+    assert "has not changed for" in message and "policy version 1" in message
+
+
+def test_a_beating_partner_is_waited_for_and_its_failure_reported_at_once(tmp_path):
+    target = tmp_path / "rollouts" / "0.npz"
+    watch = PartnerWatch(str(tmp_path), "rollout", timeout_s=0.3)
+    with pytest.raises(RuntimeError, match="boom"), Heartbeat(str(tmp_path), "rollout", 0.05) as b:
+        b.step = 4
+        # Alive for longer than the heartbeat timeout: wait_for keeps waiting for its file.
+        threading.Timer(1.0, lambda: (os.makedirs(target.parent), target.touch())).start()
+        wait_for(str(target), "rollout batch", 60.0, partner=watch)
+        raise RuntimeError("boom")
+    t0 = time.monotonic()
+    gone = r"the rollout .* failed at step 4, .*RuntimeError: boom"
+    with pytest.raises(PartnerGoneError, match=gone):
+        wait_for(str(tmp_path / "rollouts" / "1.npz"), "rollout batch", 60.0, partner=watch)
+    assert time.monotonic() - t0 < 0.3  # the exit marker is read at once
+
+
+def test_reused_workdir_is_refused_per_role(tmp_path):
+    refuse_reused_workdir(str(tmp_path))  # a fresh workdir
+    (tmp_path / "rollout_log.jsonl").write_text("")
+    refuse_reused_workdir(str(tmp_path), ("trainer",))
+    with pytest.raises(WorkdirReusedError, match=r"earlier rollout run .*rollout_log\.jsonl"):
+        refuse_reused_workdir(str(tmp_path))

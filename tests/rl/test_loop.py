@@ -28,6 +28,7 @@ from trace_jax.rl.experiment import ExperimentConfig, MeshConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.sharding import place_batch
+from trace_jax.rl.workdir import WorkdirConfigError
 from trace_jax.rl.workers import mini_batch_slices, mismatch_metrics, read_guidance
 
 COMPARED = ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length")
@@ -100,6 +101,18 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, uninterrupted):
 
     for x, y in zip(final_params(workdir_a), final_params(workdir), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.xdist_group("uninterrupted_run")
+def test_a_finished_run_is_not_resumed_with_another_method(uninterrupted):
+    """Rerun in a finished workdir with another method: refused before anything is restored,
+    run or logged (it would resume the old method's checkpoint and append to its log)."""
+    workdir, _ = uninterrupted
+    logged = (workdir / "rl_metrics.jsonl").read_text()
+    with pytest.raises(WorkdirConfigError, match=r"rl\.method: 'trace' -> 'fp4_qat'"):
+        RLLoop(_config(method="fp4_qat"), str(workdir)).run()
+    assert (workdir / "rl_metrics.jsonl").read_text() == logged
+    assert json.loads((workdir / "rl_config.json").read_text())["rl.method"] == "trace"
 
 
 def test_mini_batches_train_stale_versions_through_the_store(tmp_path):

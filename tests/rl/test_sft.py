@@ -1,4 +1,5 @@
-"""`run_sft`: a few steps, the metrics log, evaluation, the checkpoint round trip, reuse."""
+"""`run_sft`: a few steps, the metrics log, evaluation, the checkpoint round trip, reuse only of
+a stage of the same settings."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from trace_jax.models import init_model
 from trace_jax.rl.checkpoint import load_params
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import read_rows
-from trace_jax.rl.sft import evaluate_sft, run_sft, sft_or_reuse
+from trace_jax.rl.sft import evaluate_sft, run_sft, sft_finished, sft_or_reuse
+from trace_jax.rl.workdir import WorkdirConfigError
 
 
-def _config() -> ExperimentConfig:
+def _config(**sft) -> ExperimentConfig:
     cd = tiny.experiment_config()
-    cd.sft.update(steps=3, warmup_steps=1, log_every=2)
+    cd.sft.update({"steps": 3, "warmup_steps": 1, "log_every": 2, **sft})
     cd.eval.update(problems_per_split=2, splits=("level1", "aime24"), max_new_tokens=8)
     return ExperimentConfig.from_config_dict(cd)
 
@@ -59,4 +61,23 @@ def test_a_finished_stage_is_reused(sft_run, monkeypatch):
         raise AssertionError("a finished SFT stage was trained again")
 
     monkeypatch.setattr("trace_jax.rl.sft.run_sft", train_again)
+    assert sft_finished(str(workdir))
     assert sft_or_reuse(_config(), str(workdir)) == (rows, 0.0)
+    assert sft_or_reuse(_config(log_every=1), str(workdir)) == (rows, 0.0)  # only the logging
+
+
+def test_a_stage_of_other_settings_is_neither_reused_nor_trained_over(sft_run, tmp_path):
+    workdir, _ = sft_run
+    log_before = (workdir / "sft_metrics.jsonl").read_text()
+    assert json.loads((workdir / "sft_config.json").read_text())["sft.steps"] == 3
+    with pytest.raises(WorkdirConfigError, match=r"sft\.steps: 3 -> 4"):
+        sft_or_reuse(_config(steps=4), str(workdir))
+    with pytest.raises(WorkdirConfigError, match=r"sft\.learning_rate: 0\.003 -> 0\.001"):
+        run_sft(_config(learning_rate=1e-3), str(workdir))  # refused before any step
+    assert (workdir / "sft_metrics.jsonl").read_text() == log_before
+    # A finished stage that recorded no settings cannot be checked: refused too.
+    unrecorded = tmp_path / "unrecorded"
+    (unrecorded / "sft_checkpoint").mkdir(parents=True)
+    (unrecorded / "sft_eval.json").write_text('{"rows": []}')
+    with pytest.raises(WorkdirConfigError, match="settings it did not record"):
+        sft_or_reuse(_config(), str(unrecorded))

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from trace_jax.faults import maybe_die
 from trace_jax.fp4.guidance import Guidance
 from trace_jax.guidance import layout
 from trace_jax.guidance.config import GuidanceStoreConfig
@@ -245,6 +246,7 @@ class GuidanceWriter:
                 writes.append(kv_call(opened, key).write(stored))
             for w in writes:
                 kv_call(w, key)
+            maybe_die("guidance_write", key.step)  # TRACE_JAX_FAULT: data written, no commit
             body = {
                 "schema": layout.SCHEMA,
                 "run": key.run,

@@ -37,6 +37,7 @@ from trace_jax.rl.methods import (
     register_method,
 )
 from trace_jax.rl.sft import run_sft, sft_or_reuse
+from trace_jax.rl.workdir import WorkdirConfigError, guard_workdir, move_aside
 from trace_jax.rl.workers import RolloutWorker, Trainer
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "SFTConfig",
     "TaskConfig",
     "Trainer",
+    "WorkdirConfigError",
     "aggregate",
     "bind_loss",
     "experiment_config_dict",
@@ -66,11 +68,13 @@ __all__ = [
     "get_loss_fn",
     "get_method",
     "grpo_advantages",
+    "guard_workdir",
     "kl_k3",
     "logprob_gap_metrics",
     "make_optimizer",
     "make_schedule",
     "masked_mean",
+    "move_aside",
     "ppo_clip_loss",
     "register_method",
     "run_sft",

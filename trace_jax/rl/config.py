@@ -9,6 +9,7 @@ import jax
 import optax
 
 from trace_jax.rl.advantages import ADVANTAGES
+from trace_jax.rl.config_dict import Checks, finite_number
 from trace_jax.rl.losses import AGGREGATIONS
 
 
@@ -69,61 +70,40 @@ class GRPOConfig:
     routing_replay: bool = True
 
     def __post_init__(self):
-        errors = []
-
-        def need(ok: bool, msg: str):
-            if not ok:
-                errors.append(msg)
-
-        need(self.group_size >= 2, f"group_size must be >= 2; got {self.group_size}")
-        need(
-            self.advantage in ADVANTAGES,
-            f"advantage must be one of {sorted(ADVANTAGES)}; got {self.advantage!r}",
-        )
-        need(self.adv_eps >= 0, f"adv_eps must be >= 0; got {self.adv_eps}")
-        need(0 < self.clip_eps_low < 1, f"clip_eps_low must be in (0, 1); got {self.clip_eps_low}")
-        need(self.clip_eps_high > 0, f"clip_eps_high must be > 0; got {self.clip_eps_high}")
-        need(
-            self.is_cap is None or self.is_cap >= 1,
-            f"is_cap must be >= 1 or None; got {self.is_cap}",
-        )
-        need(self.beta >= 0, f"beta must be >= 0; got {self.beta}")
-        need(
-            self.dual_clip is None or self.dual_clip > 1,
-            f"dual_clip must be > 1 or None; got {self.dual_clip}",
-        )
-        need(self.tbpo_dual_clip > 1, f"tbpo_dual_clip must be > 1; got {self.tbpo_dual_clip}")
+        c = Checks("GRPOConfig")
+        c.ints(self, ("group_size",), 2)
+        c.ints(self, ("mini_batches",), 1)
+        c.ints(self, ("warmup_steps", "max_staleness"), 0)
+        c.one_of(self, "advantage", ADVANTAGES)
+        c.one_of(self, "loss_aggregation", AGGREGATIONS)
+        c.number(self, "adv_eps", ">= 0", lambda x: x >= 0)
+        c.number(self, "clip_eps_low", "in (0, 1)", lambda x: 0 < x < 1)
+        c.number(self, "clip_eps_high", "> 0", lambda x: x > 0)
+        c.number(self, "is_cap", ">= 1", lambda x: x >= 1, optional=True)
+        c.number(self, "beta", ">= 0", lambda x: x >= 0)
+        c.number(self, "dual_clip", "> 1", lambda x: x > 1, optional=True)
+        c.number(self, "tbpo_dual_clip", "> 1", lambda x: x > 1)
+        c.number(self, "learning_rate", "> 0", lambda x: x > 0)
+        c.number(self, "min_lr_ratio", "in [0, 1]", lambda x: 0 <= x <= 1)
+        c.number(self, "weight_decay", ">= 0", lambda x: x >= 0)
+        c.number(self, "adam_b1", "in [0, 1)", lambda x: 0 <= x < 1)
+        c.number(self, "adam_b2", "in [0, 1)", lambda x: 0 <= x < 1)
+        c.number(self, "adam_eps", "> 0", lambda x: x > 0)
+        c.number(self, "grad_clip_norm", "> 0", lambda x: x > 0, optional=True)
         band = tuple(self.tbpo_band)
-        need(
-            len(band) == 2 and 0 <= band[0] < 1 < band[1],
-            f"tbpo_band must be (b_lo, b_hi) with 0 <= b_lo < 1 < b_hi; got {self.tbpo_band}",
+        c.need(
+            len(band) == 2 and all(map(finite_number, band)) and 0 <= band[0] < 1 < band[1],
+            "tbpo_band",
+            f"must be (b_lo, b_hi) with 0 <= b_lo < 1 < b_hi, got {self.tbpo_band}",
         )
-        need(
-            self.loss_aggregation in AGGREGATIONS,
-            f"loss_aggregation must be one of {AGGREGATIONS}; got {self.loss_aggregation!r}",
-        )
-        need(self.learning_rate > 0, f"learning_rate must be > 0; got {self.learning_rate}")
-        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0; got {self.warmup_steps}")
-        need(
-            0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}"
-        )
-        need(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}")
-        need(0 <= self.adam_b1 < 1, f"adam_b1 must be in [0, 1); got {self.adam_b1}")
-        need(0 <= self.adam_b2 < 1, f"adam_b2 must be in [0, 1); got {self.adam_b2}")
-        need(self.adam_eps > 0, f"adam_eps must be > 0; got {self.adam_eps}")
-        need(
-            self.grad_clip_norm is None or self.grad_clip_norm > 0,
-            f"grad_clip_norm must be > 0 or None; got {self.grad_clip_norm}",
-        )
-        need(self.mini_batches >= 1, f"mini_batches must be >= 1; got {self.mini_batches}")
-        need(self.max_staleness >= 0, f"max_staleness must be >= 0; got {self.max_staleness}")
-        need(
-            self.mini_batches - 1 <= self.max_staleness,
-            f"mini_batches={self.mini_batches} makes the last mini-batch "
-            f"{self.mini_batches - 1} versions stale > max_staleness={self.max_staleness}",
-        )
-        if errors:
-            raise ValueError("invalid GRPOConfig: " + "; ".join(errors))
+        if not c.problems:  # the counts are ints: compare them
+            c.need(
+                self.mini_batches - 1 <= self.max_staleness,
+                ("mini_batches", "max_staleness"),
+                f"disagree: mini-batch m trains m versions stale, so the last of "
+                f"{self.mini_batches} is {self.mini_batches - 1} > {self.max_staleness}",
+            )
+        c.raise_any()
         object.__setattr__(self, "tbpo_band", (float(band[0]), float(band[1])))
 
     def loss_kwargs(self, loss: str) -> dict:

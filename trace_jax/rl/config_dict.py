@@ -7,11 +7,16 @@ back into its dataclass. A None default is written as a typed placeholder, so th
 `--config.<section>.<field>=...` is type-checked for it too. A field whose type is another class
 of the same section (`RLConfig.grpo`: `GRPOConfig`) is not a field of the section: that class's
 own fields stand beside the others.
+
+Validation: each dataclass's `__post_init__` checks its fields with `Checks`, which raises one
+`ConfigError` naming every bad field; `ExperimentConfig.from_config_dict` renames them to the
+ConfigDict's dotted settings (`sft.batch_size`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -22,6 +27,73 @@ from ml_collections import config_dict
 
 # The default of a field that has none (`field_defaults`).
 REQUIRED = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A config's violated conditions, each naming the setting it is about.
+
+    where: what was checked ("SFTConfig", "experiment config"). problems: (settings, what is
+    wrong) pairs, e.g. (("batch_size",), "must be an int >= 1, got 0"), the settings of a
+    conflict together; the message lists them all.
+    """
+
+    def __init__(self, where: str, problems: Iterable[tuple[tuple[str, ...], str]]):
+        self.where, self.problems = where, tuple(problems)
+        text = "; ".join(f"{_listed(s)} {m}" for s, m in self.problems)
+        super().__init__(f"invalid {where}: {text}")
+
+    def within(self, section: str) -> list[tuple[tuple[str, ...], str]]:
+        """The problems with each setting named `<section>.<setting>`."""
+        return [(tuple(f"{section}.{n}" for n in s), m) for s, m in self.problems]
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    """The names as a phrase: a; a and b; a, b and c."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def finite_number(value: Any) -> bool:
+    """Whether `value` is a finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class Checks:
+    """Collects the violated conditions of a config, to raise them together (`ConfigError`)."""
+
+    def __init__(self, where: str):
+        self.where, self.problems = where, []
+
+    def need(self, ok: bool, setting: str | tuple[str, ...], message: str) -> None:
+        """Records `message` about `setting` (or several, in conflict) unless `ok`."""
+        if not ok:
+            self.problems.append(((setting,) if isinstance(setting, str) else setting, message))
+
+    def ints(self, obj: Any, names: Iterable[str], low: int, *, optional: bool = False) -> None:
+        """Each of `names` of `obj` is an int >= `low` (or None when `optional`)."""
+        for name in names:
+            v = getattr(obj, name)
+            if optional and v is None:
+                continue
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
+            self.need(ok, name, f"must be an int >= {low}, got {v!r}")
+
+    def number(self, obj: Any, name: str, expected: str, ok, *, optional: bool = False) -> None:
+        """`obj.name` is a finite number `x` with `ok(x)` (or None when `optional`); `expected`
+        says what `ok` accepts ("> 0", "in [0, 1)")."""
+        v = getattr(obj, name)
+        if optional and v is None:
+            return
+        good = finite_number(v) and ok(v)
+        self.need(good, name, f"must be {expected}{' or None' * optional}, got {v!r}")
+
+    def one_of(self, obj: Any, name: str, choices: Iterable[str]) -> None:
+        choices = sorted(choices)
+        v = getattr(obj, name)
+        self.need(v in choices, name, f"must be one of {choices}, got {v!r}")
+
+    def raise_any(self) -> None:
+        if self.problems:
+            raise ConfigError(self.where, self.problems)
 
 
 def _section_fields(*classes: type) -> dict[str, tuple[type, dataclasses.Field, Any]]:

@@ -17,13 +17,26 @@ The paper's disaggregated setting: the rollout engine and the trainer never shar
 With lag = 1 the rollout of step t + 1 runs while the trainer trains step t (one step of
 staleness; `ExperimentConfig` checks `lag * M + M - 1 <= max_staleness`). With lag = 0 the two
 processes reproduce `RLLoop` exactly (same seeds, same batches, same updates). Writes
-`rl_metrics.jsonl` (trainer) and `rollout_log.jsonl` (rollout). A run starts from a fresh workdir
-(no resume here: `RLLoop` is the resumable single-process loop).
+`rl_metrics.jsonl` (trainer) and `rollout_log.jsonl` (rollout).
+
+The two watch each other: each writes a heartbeat `heartbeats/<role>.json` (pid, host, role,
+step, time) every second and, when it ends, an exit marker in the same file. A process waiting
+for the other's next file exits with `PartnerGoneError` (naming the partner, its last step and
+how long ago it was seen) once the partner's heartbeat is unchanged for
+`config.disaggregated.heartbeat_timeout_s` or says it exited, instead of waiting `timeout_s`.
+
+A run starts from a fresh workdir: the trainer keeps no optimizer state, so nothing here can
+resume (`RLLoop` is the resumable single-process loop); each process refuses, before any work, a
+workdir where its role ran before (`refuse_reused_workdir`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import socket
+import threading
 import time
 
 import jax
@@ -32,13 +45,21 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.rl.checkpoint import restore_step, save_step
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.sharding import experiment_mesh
+from trace_jax.rl.workdir import guard_workdir
 from trace_jax.rl.workers import RolloutBatch, RolloutWorker, Trainer, init_policy
 from trace_jax.rollout import Rollout
 
 ROLLOUT_FIELDS = ("tokens", "prompt_lengths", "lengths", "logprobs", "response_mask")
+ROLES = ("trainer", "rollout")
+PARTNER = {"trainer": "rollout", "rollout": "trainer"}
+ROLE_LOGS = {"trainer": "rl_metrics", "rollout": "rollout_log"}
+HEARTBEATS = "heartbeats"
+
+log = logging.getLogger(__name__)
 
 
 def _paths(workdir: str) -> dict[str, str]:
@@ -46,13 +67,190 @@ def _paths(workdir: str) -> dict[str, str]:
     return {name: os.path.join(workdir, name) for name in ("policy", "rollouts", "guidance")}
 
 
-def wait_for(path: str, what: str, timeout_s: float, poll_s: float = 0.05) -> None:
-    """Blocks until `path` exists; TimeoutError naming `what` after `timeout_s` seconds."""
+class PartnerGoneError(RuntimeError):
+    """The other process of a disaggregated run stopped: its heartbeat went stale or it
+    exited."""
+
+
+class WorkdirReusedError(FileExistsError):
+    """The workdir holds an earlier run of a role (`refuse_reused_workdir`)."""
+
+
+def heartbeat_path(workdir: str, role: str) -> str:
+    return os.path.join(os.path.abspath(workdir), HEARTBEATS, f"{role}.json")
+
+
+def read_heartbeat(path: str) -> dict | None:
+    """The record at `path` (None if there is none yet)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+class Heartbeat:
+    """This process's sign of life for its partner, as a context manager.
+
+    `heartbeat_path(workdir, role)` holds `{"pid", "host", "role", "step", "time"}`, rewritten
+    atomically every `interval_s` by a daemon thread (so a killed process stops beating); on
+    exit the record gets `"exit": "finished"` or `"exit": "failed"` and `"error"`. The loop
+    sets `step` as it goes.
+    """
+
+    def __init__(self, workdir: str, role: str, interval_s: float = 1.0):
+        self.path, self.role, self.interval_s = heartbeat_path(workdir, role), role, interval_s
+        self.step: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{role}", daemon=True)
+
+    def write(self, **extra) -> None:
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "role": self.role,
+            "step": self.step,
+            "time": time.time(),
+            **extra,
+        }
+        tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.path)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.write()
+            except OSError as e:  # a missed beat; the partner gives up only after several
+                log.warning("heartbeat %s not written: %s", self.path, e)
+
+    def __enter__(self) -> Heartbeat:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.write()
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc_type is None:
+            self.write(exit="finished")
+        else:
+            self.write(exit="failed", error=f"{exc_type.__name__}: {exc}")
+
+
+class PartnerWatch:
+    """Watches the partner's heartbeat (`role`'s, in `workdir`): `check` raises
+    PartnerGoneError once it exited or its record has not changed for `timeout_s`.
+
+    A partner on this host is stale when its record's time is `timeout_s` old; one on another
+    host when this process has seen the same record for `timeout_s` (the hosts' clocks may
+    differ). A partner without a heartbeat yet is still starting.
+    """
+
+    def __init__(self, workdir: str, role: str, timeout_s: float):
+        self.path, self.role, self.timeout_s = heartbeat_path(workdir, role), role, timeout_s
+        self._record: dict | None = None
+        self._first_seen = time.monotonic()
+        self._host = socket.gethostname()
+
+    def started(self) -> bool:
+        return os.path.exists(self.path)
+
+    def check(self, waiting_for: str) -> None:
+        """Raises PartnerGoneError (saying this process was waiting for `waiting_for`) if the
+        partner is gone."""
+        try:
+            record = read_heartbeat(self.path)
+        except (OSError, ValueError):  # unreadable now (a file system hiccup): judge it later
+            return
+        now = time.monotonic()
+        if record is None:
+            return
+        if record != self._record:
+            self._record, self._first_seen = record, now
+        who = f"the {self.role} (pid {record['pid']} on {record['host']})"
+        step = record.get("step")
+        step = "start-up" if step is None else f"step {step}"
+        ago = time.time() - record["time"]
+        silent = ago if record["host"] == self._host else now - self._first_seen
+        if record.get("exit") == "failed":
+            why = f"{who} failed at {step}, {ago:.1f} s ago: {record.get('error')}"
+        elif record.get("exit"):
+            why = f"{who} finished at {step}, {ago:.1f} s ago"
+        elif silent > self.timeout_s:
+            why = (
+                f"{who} is gone: its heartbeat {self.path} has not changed for {silent:.1f} s "
+                f"(heartbeat_timeout_s={self.timeout_s:g}); last seen at {step}"
+            )
+        else:
+            return
+        raise PartnerGoneError(f"{why}; stopped waiting for {waiting_for}")
+
+
+def wait_for(
+    path: str,
+    what: str,
+    timeout_s: float,
+    poll_s: float = 0.05,
+    partner: PartnerWatch | None = None,
+) -> None:
+    """Blocks until `path` exists; TimeoutError naming `what` after `timeout_s` seconds, or
+    PartnerGoneError as soon as `partner` (the process that writes `path`) is gone."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
+        if partner is not None:
+            try:
+                partner.check(f"the {what} at {path}")
+            except PartnerGoneError:
+                if os.path.exists(path):  # written just before the partner ended
+                    return
+                raise
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} at {path} after {timeout_s:.0f} s")
+            never = "" if partner is None or partner.started() else f" (no {partner.role} started)"
+            raise TimeoutError(f"no {what} at {path} after {timeout_s:.0f} s{never}")
         time.sleep(poll_s)
+
+
+def refuse_reused_workdir(workdir: str, roles: tuple[str, ...] = ROLES) -> None:
+    """Raises WorkdirReusedError, before any work, when `workdir` holds what an earlier run of one
+    of `roles` wrote (its heartbeat or its log): nothing here resumes, and the guidance store
+    and the policy versions would refuse or mix that run's entries minutes later."""
+    for role in roles:
+        found = [
+            p
+            for p in (
+                heartbeat_path(workdir, role),
+                os.path.join(os.path.abspath(workdir), f"{ROLE_LOGS[role]}.jsonl"),
+            )
+            if os.path.exists(p)
+        ]
+        if not found:
+            continue
+        record = read_heartbeat(heartbeat_path(workdir, role))
+        seen = ""
+        if record is not None:
+            state = record.get("exit") or "no exit marker"
+            seen = (
+                f"; its heartbeat: pid {record['pid']} on {record['host']}, step "
+                f"{record.get('step')}, {state}, {time.time() - record['time']:.0f} s ago"
+            )
+        raise WorkdirReusedError(
+            f"{workdir} holds an earlier {role} run ({', '.join(found)}{seen}); the "
+            "disaggregated runner cannot resume (it keeps no optimizer state): start fresh "
+            "(--fresh: `trace_jax.rl.workdir.move_aside`) or use another workdir"
+        )
+
+
+def _watching(config: ExperimentConfig, workdir: str, role: str) -> tuple[Heartbeat, PartnerWatch]:
+    """This role's heartbeat (beating a few times per `heartbeat_timeout_s`) and the watch of
+    its partner."""
+    timeout_s = config.disaggregated.heartbeat_timeout_s
+    return (
+        Heartbeat(workdir, role, interval_s=min(1.0, timeout_s / 4)),
+        PartnerWatch(workdir, PARTNER[role], timeout_s),
+    )
 
 
 def save_rollout(path: str, batch: RolloutBatch) -> None:
@@ -94,14 +292,25 @@ def policy_manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def publish_policy(manager: ocp.CheckpointManager, model: nnx.Module, version: int) -> None:
-    """Saves `model`'s parameters as `version` and waits until they are on disk."""
-    manager.save(version, args=ocp.args.StandardSave(nnx.state(model, nnx.Param)))
+    """Saves `model`'s parameters as `version`, with their checksums (the rollout process
+    verifies what it loads: `trace_jax.rl.checkpoint`), and waits until they are on disk."""
+    save_step(manager, version, nnx.state(model, nnx.Param), force=True)
     manager.wait_until_finished()
 
 
 def run_rollout(config: ExperimentConfig, workdir: str) -> list[dict]:
     """The rollout process: for each step, wait for its policy version, load it, sample, publish.
     Returns its log rows (`rollout_log.jsonl`): policy version and seconds per phase."""
+    refuse_reused_workdir(workdir, ("rollout",))
+    guard_workdir(workdir, "disaggregated", config)  # a workdir of other settings is refused
+    beat, partner = _watching(config, workdir, "rollout")
+    with beat:  # from here on the trainer sees this process alive, or how it ended
+        return _rollout_steps(config, workdir, beat, partner)
+
+
+def _rollout_steps(
+    config: ExperimentConfig, workdir: str, beat: Heartbeat, partner: PartnerWatch
+) -> list[dict]:
     lag, timeout_s = config.disaggregated.lag, config.disaggregated.timeout_s
     paths = _paths(workdir)
     os.makedirs(paths["rollouts"], exist_ok=True)
@@ -112,15 +321,16 @@ def run_rollout(config: ExperimentConfig, workdir: str) -> list[dict]:
     with (
         policy_manager(workdir) as policies,
         GuidanceStore(GuidanceStoreConfig(kvstore=paths["guidance"])) as store,
-        MetricsLog(workdir, "rollout_log") as log,
+        MetricsLog(workdir, "rollout_log") as rollout_log,
     ):
         for step in range(config.rl.steps):
+            beat.step = step
             version = max(0, step - lag) * config.rl.grpo.mini_batches
             t0 = time.perf_counter()
-            wait_for(os.path.join(paths["policy"], str(version)), "policy", timeout_s)
+            policy = os.path.join(paths["policy"], str(version))
+            wait_for(policy, f"policy version {version}", timeout_s, partner=partner)
             policies.reload()
-            restored = policies.restore(version, args=ocp.args.StandardRestore(abstract))
-            nnx.update(worker.model, restored)
+            nnx.update(worker.model, restore_step(policies, version, abstract))
             t1 = time.perf_counter()
             batch = worker.rollout(step, version)  # mismatch statistics: RLLoop only
             t2 = time.perf_counter()
@@ -132,28 +342,39 @@ def run_rollout(config: ExperimentConfig, workdir: str) -> list[dict]:
                 "time_rollout_s": t2 - t1,
                 "time_publish_s": t3 - t2,
             }
-            rows.append(log.write(step, row))
+            rows.append(rollout_log.write(step, row))
     return rows
 
 
 def run_trainer(config: ExperimentConfig, workdir: str) -> list[dict]:
     """The trainer process: publish version 0, then per step wait for the batch, train, publish
     the new version. Returns its metric rows (`rl_metrics.jsonl`)."""
+    refuse_reused_workdir(workdir, ("trainer",))
+    guard_workdir(workdir, "disaggregated", config)  # a workdir of other settings is refused
+    beat, partner = _watching(config, workdir, "trainer")
+    with beat:  # from here on the rollout process sees this one alive, or how it ended
+        return _trainer_steps(config, workdir, beat, partner)
+
+
+def _trainer_steps(
+    config: ExperimentConfig, workdir: str, beat: Heartbeat, partner: PartnerWatch
+) -> list[dict]:
     paths = _paths(workdir)
     mesh = experiment_mesh(config.mesh.data, config.mesh.expert)
     trainer = Trainer(config, init_policy(config, mesh), config.method_setup(), mesh)
-    m = config.rl.grpo.mini_batches
+    m, timeout_s = config.rl.grpo.mini_batches, config.disaggregated.timeout_s
     history = []
     with (
         policy_manager(workdir) as policies,
         GuidanceStore(GuidanceStoreConfig(kvstore=paths["guidance"])) as store,
-        MetricsLog(workdir, "rl_metrics") as log,
+        MetricsLog(workdir, "rl_metrics") as metrics_log,
     ):
         publish_policy(policies, trainer.model, 0)
         for step in range(config.rl.steps):
+            beat.step = step
             t0 = time.perf_counter()
             path = os.path.join(paths["rollouts"], f"{step}.npz")
-            wait_for(path, "rollout batch", config.disaggregated.timeout_s)
+            wait_for(path, f"rollout batch of step {step}", timeout_s, partner=partner)
             batch = load_rollout(path)
             t1 = time.perf_counter()
             metrics, blocked = trainer.train(batch, store)
@@ -169,5 +390,5 @@ def run_trainer(config: ExperimentConfig, workdir: str) -> list[dict]:
                 "time_guidance_io_s": blocked["read"],
                 "time_train_s": t2 - t1 - blocked["read"],
             }
-            history.append(log.write(step, row))
+            history.append(metrics_log.write(step, row))
     return history

@@ -19,27 +19,18 @@ from typing import Any
 import ml_collections
 
 from trace_jax import tasks
-from trace_jax.models import ModelConfig
+from trace_jax.models import IMPLEMENTATION_SETTINGS, ModelConfig
+from trace_jax.quant import QUANT_RECIPES, parse_layer_spec
 from trace_jax.rl.config import GRPOConfig
-from trace_jax.rl.config_dict import field_defaults, section_config_dict
-from trace_jax.rl.methods import MethodSetup, get_method
+from trace_jax.rl.config_dict import Checks, ConfigError, field_defaults, section_config_dict
+from trace_jax.rl.methods import METHODS, MethodSetup, get_method
 
-MODEL_PRESETS = {"tiny": ModelConfig.tiny, "small": ModelConfig.small}
-
-
-class _Checks:
-    """Collects every violated condition of a config, to raise them together."""
-
-    def __init__(self, name: str):
-        self.name, self.errors = name, []
-
-    def need(self, ok: bool, message: str) -> None:
-        if not ok:
-            self.errors.append(message)
-
-    def raise_any(self) -> None:
-        if self.errors:
-            raise ValueError(f"invalid {self.name}: " + "; ".join(self.errors))
+# qwen3_5_35b_a3b: the paper's model shapes, for benchmarks (cut by `n_layers` to fit a GPU).
+MODEL_PRESETS = {
+    "tiny": ModelConfig.tiny,
+    "small": ModelConfig.small,
+    "qwen3_5_35b_a3b": ModelConfig.qwen3_5_35b_a3b,
+}
 
 
 def _tuple(obj, field: str) -> None:
@@ -63,10 +54,18 @@ class ModelSpec:
     head_dim: int | None = None
 
     def __post_init__(self):
-        if self.preset not in MODEL_PRESETS:
-            raise ValueError(
-                f"unknown model preset {self.preset!r}; expected one of {sorted(MODEL_PRESETS)}"
-            )
+        c = Checks("ModelSpec")
+        c.one_of(self, "preset", MODEL_PRESETS)
+        c.number(self, "init_std", "> 0", lambda x: x > 0)
+        c.ints(self, ("n_layers",), 1, optional=True)
+        c.ints(self, ("head_dim",), 2, optional=True)
+        if not c.problems:
+            try:
+                self.build()
+            except ValueError as e:  # `ModelConfig`'s own checks, e.g. of grouped_matmul
+                named = [f for f in _SPEC_FIELDS if f"ModelConfig.{f}" in str(e)]
+                c.need(False, named[0] if named else "preset", f"gives no model: {e}")
+        c.raise_any()
 
     def build(self) -> ModelConfig:
         """The `ModelConfig` this spec names (its own checks reject bad overrides)."""
@@ -87,13 +86,11 @@ class TaskConfig:
     def __post_init__(self):
         _tuple(self, "kinds")
         _tuple(self, "levels")
-        c = _Checks("TaskConfig")
-        c.need(bool(self.kinds), "kinds is empty")
-        c.need(bool(self.levels), "levels is empty")
-        bad = [k for k in self.kinds if k not in tasks.TASKS]
-        c.need(not bad, f"kinds {bad} are not tasks; expected some of {tasks.TASKS}")
-        bad = [lv for lv in self.levels if lv not in tasks.LEVELS]
-        c.need(not bad, f"levels {bad} are not levels; expected some of {tasks.LEVELS}")
+        c = Checks("TaskConfig")
+        for name, known in (("kinds", tasks.TASKS), ("levels", tasks.LEVELS)):
+            value = getattr(self, name)
+            ok = bool(value) and all(v in known for v in value)
+            c.need(ok, name, f"must be one or more of {tuple(known)}, got {value}")
         c.raise_any()
 
     @property
@@ -130,15 +127,17 @@ class SFTConfig:
     log_every: int = 50
 
     def __post_init__(self):
-        c = _Checks("SFTConfig")
-        for name in ("steps", "batch_size", "log_every"):
-            c.need(getattr(self, name) >= 1, f"{name} must be >= 1; got {getattr(self, name)}")
-        c.need(self.learning_rate > 0, f"learning_rate must be > 0; got {self.learning_rate}")
-        c.need(
-            0 <= self.warmup_steps < self.steps,
-            f"warmup_steps must be in [0, steps={self.steps}); got {self.warmup_steps}",
-        )
-        c.need(self.weight_decay >= 0, f"weight_decay must be >= 0; got {self.weight_decay}")
+        c = Checks("SFTConfig")
+        c.ints(self, ("steps", "batch_size", "log_every"), 1)
+        c.ints(self, ("warmup_steps",), 0)
+        c.number(self, "learning_rate", "> 0", lambda x: x > 0)
+        c.number(self, "weight_decay", ">= 0", lambda x: x >= 0)
+        if not c.problems:
+            c.need(
+                self.warmup_steps < self.steps,
+                "warmup_steps",
+                f"must be < steps={self.steps}, got {self.warmup_steps}",
+            )
         c.raise_any()
 
 
@@ -155,12 +154,11 @@ class EvalConfig:
 
     def __post_init__(self):
         _tuple(self, "splits")
-        c = _Checks("EvalConfig")
-        bad = [s for s in self.splits if s not in tasks.SPLIT_NAMES]
-        c.need(not bad, f"splits {bad} are not splits; expected some of {tasks.SPLIT_NAMES}")
-        for name in ("problems_per_split", "k", "max_new_tokens"):
-            c.need(getattr(self, name) >= 1, f"{name} must be >= 1; got {getattr(self, name)}")
-        c.need(self.temperature >= 0, f"temperature must be >= 0; got {self.temperature}")
+        c = Checks("EvalConfig")
+        ok = bool(self.splits) and all(s in tasks.SPLIT_NAMES for s in self.splits)
+        c.need(ok, "splits", f"must be one or more of {tasks.SPLIT_NAMES}, got {self.splits}")
+        c.ints(self, ("problems_per_split", "k", "max_new_tokens"), 1)
+        c.number(self, "temperature", ">= 0", lambda x: x >= 0)
         c.raise_any()
 
 
@@ -173,8 +171,9 @@ class MeshConfig:
     expert: int = 1
 
     def __post_init__(self):
-        if self.data < 1 or self.expert < 1:
-            raise ValueError(f"mesh sizes must be >= 1; got data={self.data}, expert={self.expert}")
+        c = Checks("MeshConfig")
+        c.ints(self, ("data", "expert"), 1)
+        c.raise_any()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,6 +186,8 @@ class RLConfig:
     init_from: the SFT checkpoint the policy starts from ("" = random initialization).
     steps: RL steps; each samples `prompts_per_step` training problems x `grpo.group_size`.
     max_new_tokens, temperature: the rollout's sampling.
+    rollout_implementation: the rollout's and evaluation's kernels, "auto" (the Pallas FP4 kernels
+      on a GPU, XLA elsewhere: `trace_jax.models.resolve_implementation`), "pallas" or "xla".
     mismatch_every: steps between per-site code-mismatch measurements of FP4 rollouts (0: never).
     eval_every: steps between held-out evaluations (0: never).
     checkpoint_every: steps between checkpoints (the final step is always saved).
@@ -201,6 +202,7 @@ class RLConfig:
     prompts_per_step: int = 8
     max_new_tokens: int = 48
     temperature: float = 1.0
+    rollout_implementation: str = "auto"
     mismatch_every: int = 5
     eval_every: int = 10
     checkpoint_every: int = 10
@@ -209,14 +211,18 @@ class RLConfig:
     def __post_init__(self):
         object.__setattr__(self, "guided_layers", self.guided_layers or "")
         object.__setattr__(self, "init_from", self.init_from or "")
-        c = _Checks("RLConfig")
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every"):
-            c.need(getattr(self, name) >= 1, f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("mismatch_every", "eval_every"):
-            c.need(getattr(self, name) >= 0, f"{name} must be >= 0; got {getattr(self, name)}")
-        c.need(self.temperature >= 0, f"temperature must be >= 0; got {self.temperature}")
+        c = Checks("RLConfig")
+        c.one_of(self, "method", METHODS)
+        c.one_of(self, "format", QUANT_RECIPES)
+        c.one_of(self, "rollout_implementation", IMPLEMENTATION_SETTINGS)
+        try:
+            parse_layer_spec(self.guided_layers or "all")  # "" keeps the method's own
+        except ValueError as e:
+            c.need(False, "guided_layers", f"is not a layer spec: {e}")
+        c.ints(self, ("steps", "prompts_per_step", "max_new_tokens", "checkpoint_every"), 1)
+        c.ints(self, ("mismatch_every", "eval_every"), 0)
+        c.number(self, "temperature", ">= 0", lambda x: x >= 0)
         c.raise_any()
-        get_method(self.method)  # raises naming the registered methods
 
     @property
     def run_id(self) -> str:
@@ -234,14 +240,20 @@ class DisaggregatedConfig:
 
     lag: RL steps the rollout process may run ahead of the trainer (0: lock step).
     timeout_s: how long either process waits for the other's next file.
+    heartbeat_timeout_s: how long the other's heartbeat may stay unchanged before it counts as
+      dead (the waiting process then exits).
     """
 
     lag: int = 0
     timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self):
-        if self.lag < 0 or self.timeout_s <= 0:
-            raise ValueError(f"need lag >= 0 and timeout_s > 0; got {self.lag}, {self.timeout_s}")
+        c = Checks("DisaggregatedConfig")
+        c.ints(self, ("lag",), 0)
+        c.number(self, "timeout_s", "> 0", lambda x: x > 0)
+        c.number(self, "heartbeat_timeout_s", "> 0", lambda x: x > 0)
+        c.raise_any()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -258,24 +270,44 @@ class ExperimentConfig:
     disaggregated: DisaggregatedConfig = dataclasses.field(default_factory=DisaggregatedConfig)
 
     def __post_init__(self):
-        rl, m, data = self.rl, self.rl.grpo.mini_batches, self.mesh.data
-        rows = rl.rollouts_per_step
-        if rows % m:
-            raise ValueError(f"{rows} rollouts per step do not split into {m} equal mini-batches")
-        if rows % (m * data):
-            raise ValueError(
-                f"{rows} rollouts per step in {m} mini-batches do not split over "
-                f"mesh.data={data} devices"
-            )
+        """Checks what no one section can: the settings named as in the ConfigDict."""
+        rl, grpo, data, lag = self.rl, self.rl.grpo, self.mesh.data, self.disaggregated.lag
+        m, rows = grpo.mini_batches, rl.rollouts_per_step
+        batch = ("rl.prompts_per_step", "rl.group_size", "rl.mini_batches")
+        per_step = f"{rl.prompts_per_step} x {grpo.group_size} = {rows} rollouts per step"
+        c = Checks("ExperimentConfig")
+        c.ints(self, ("seed",), 0)
+        c.need(rows % m == 0, batch, f"disagree: {per_step} do not split into {m} mini-batches")
+        c.need(
+            rows % m != 0 or rows % (m * data) == 0,
+            (*batch, "mesh.data"),
+            f"disagree: {per_step} in {m} mini-batches do not split over {data} devices",
+        )
         # The disaggregated trainer's stalest mini-batch: sampled `lag` steps back, then m - 1
         # optimizer steps into its own step.
-        worst = self.disaggregated.lag * m + m - 1
-        if worst > rl.grpo.max_staleness:
-            raise ValueError(
-                f"disaggregated.lag={self.disaggregated.lag} with {m} mini-batches trains "
-                f"guidance {worst} versions stale; max_staleness is {rl.grpo.max_staleness}"
-            )
-        self.method_setup()  # the method, recipe and guided layers resolve for this model
+        worst = lag * m + m - 1
+        c.need(
+            worst <= grpo.max_staleness,
+            ("disaggregated.lag", "rl.mini_batches", "rl.max_staleness"),
+            f"disagree: lag {lag} with {m} mini-batches trains guidance {worst} versions stale "
+            f"> {grpo.max_staleness}",
+        )
+        c.need(
+            grpo.warmup_steps < rl.steps * m,
+            ("rl.warmup_steps", "rl.steps", "rl.mini_batches"),
+            f"disagree: a warmup of {grpo.warmup_steps} optimizer steps must end before the "
+            f"run's {rl.steps} x {m} = {rl.steps * m}",
+        )
+        c.need(
+            self.model.n_experts % self.mesh.expert == 0,
+            ("mesh.expert", "model.n_experts"),
+            f"disagree: {self.mesh.expert} devices must split {self.model.n_experts} experts",
+        )
+        try:  # the method, recipe and guided layers resolve for this model
+            self.method_setup()
+        except ValueError as e:
+            c.need(False, "rl.guided_layers", f"must resolve for this model and method: {e}")
+        c.raise_any()
 
     def method_setup(self) -> MethodSetup:
         """The RL method resolved for the recipe, the guided-layer spec and the model depth."""
@@ -287,7 +319,11 @@ class ExperimentConfig:
     def from_config_dict(cls, cd: ml_collections.ConfigDict) -> ExperimentConfig:
         """The library config of an experiment ConfigDict (the layout `experiment_config_dict`
         builds). Missing fields take their defaults; sections other than the known ones (a
-        table's `table`) are ignored; an unknown field of a known section is a ValueError."""
+        table's `table`) are ignored; an unknown field of a known section is a ValueError.
+
+        Raises `ConfigError` (a ValueError) naming every bad setting as the ConfigDict does
+        (`sft.batch_size must be an int >= 1, got 0`): nothing is built from a bad config.
+        """
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
         sections = {name: dict(d.get(name) or {}) for name in SECTIONS}
         unknown = [
@@ -300,18 +336,34 @@ class ExperimentConfig:
                 f"unknown field(s) {unknown} in the experiment config (the sections' fields: "
                 "`trace_jax.rl.experiment.section_defaults`)"
             )
-        rl = sections.pop("rl")
-        grpo = {k: rl.pop(k) for k in list(rl) if k in _GRPO_FIELDS}
-        return cls(
-            seed=int(d.get("seed", 0)),
-            model=ModelSpec(**sections.pop("model")).build(),
-            tasks=TaskConfig(**sections.pop("tasks")),
-            sft=SFTConfig(**sections.pop("sft")),
-            eval=EvalConfig(**sections.pop("eval")),
-            rl=RLConfig(**rl, grpo=GRPOConfig(**grpo)),
-            mesh=MeshConfig(**sections.pop("mesh")),
-            disaggregated=DisaggregatedConfig(**sections.pop("disaggregated")),
-        )
+        rl = sections["rl"]
+        grpo_fields = {k: rl.pop(k) for k in list(rl) if k in _GRPO_FIELDS}
+        problems = []
+
+        def build(section: str, make):
+            try:
+                return make()
+            except ConfigError as e:
+                problems.extend(e.within(section))
+                return None
+
+        built = {}
+        for name in SECTIONS:  # problems in the sections' order
+            if name == "model":
+                built[name] = build(name, lambda: ModelSpec(**sections["model"]).build())
+            elif name == "rl":
+                loop = build(name, lambda: RLConfig(**rl))
+                grpo = build(name, lambda: GRPOConfig(**grpo_fields))
+                built[name] = loop and grpo and dataclasses.replace(loop, grpo=grpo)
+            else:
+                built[name] = build(name, lambda c=_PLAIN_SECTIONS[name], n=name: c(**sections[n]))
+        seed = d.get("seed", 0)
+        if problems:
+            raise ConfigError("experiment config", problems)
+        try:
+            return cls(seed=seed, **built)
+        except ConfigError as e:
+            raise ConfigError("experiment config", e.problems) from None
 
 
 # ConfigDict section -> the dataclasses whose fields it holds (`rl`: the loop's and GRPO's).
@@ -325,6 +377,15 @@ SECTIONS: dict[str, tuple[type, ...]] = {
     "disaggregated": (DisaggregatedConfig,),
 }
 _GRPO_FIELDS = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+# The sections whose dataclass is the ExperimentConfig field itself.
+_PLAIN_SECTIONS = {
+    "tasks": TaskConfig,
+    "sft": SFTConfig,
+    "eval": EvalConfig,
+    "mesh": MeshConfig,
+    "disaggregated": DisaggregatedConfig,
+}
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
 
 
 def section_defaults(name: str) -> dict[str, Any]:

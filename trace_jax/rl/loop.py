@@ -14,7 +14,8 @@ Writes into `workdir`: `rl_metrics.jsonl` (per step: reward, response length, tr
 log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, code mismatch on
 mismatch-measuring steps, time split into rollout / guidance I/O / training), `rl_eval.jsonl`
 (pass@1 per split every `eval_every` steps), TensorBoard scalars of both under `tensorboard/`,
-orbax checkpoints `rl_checkpoints/` and the guidance store `guidance/`.
+orbax checkpoints `rl_checkpoints/`, the guidance store `guidance/` and the run's settings
+`rl_config.json` (`trace_jax.rl.workdir`: a rerun with other settings is refused).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from collections.abc import Sequence
 import jax
 from tqdm import tqdm
 
+from trace_jax.faults import maybe_die
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.rl.checkpoint import checkpoint_manager, restore_train_state, save_train_state
 from trace_jax.rl.evaluate import pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog, drop_rows_from
 from trace_jax.rl.sharding import experiment_mesh
+from trace_jax.rl.workdir import guard_workdir
 from trace_jax.rl.workers import (
     RolloutBatch,
     RolloutWorker,
@@ -64,8 +67,8 @@ class RLLoop:
     def __init__(self, config: ExperimentConfig, workdir: str):
         self.config = config
         self.workdir = os.path.abspath(workdir)
+        self.mesh = experiment_mesh(config.mesh.data, config.mesh.expert)  # devices, before files
         os.makedirs(self.workdir, exist_ok=True)
-        self.mesh = experiment_mesh(config.mesh.data, config.mesh.expert)
         self.setup = config.method_setup()
         self.model = init_policy(config, self.mesh)
         self.rollout_worker = RolloutWorker(config, self.model, self.setup, self.mesh)
@@ -84,7 +87,8 @@ class RLLoop:
         last = self.checkpoints.latest_step()
         if last is None:
             return 0
-        restore_train_state(self.checkpoints, last, self.model, self.optimizer)
+        # The newest checkpoint that verifies: a corrupt one falls back to an older step.
+        last = restore_train_state(self.checkpoints, last, self.model, self.optimizer)
         log.info("restored the policy and optimizer of step %d", last)
         return last + 1
 
@@ -141,17 +145,23 @@ class RLLoop:
 
     def run(self, *, stop_after: int | None = None) -> list[dict]:
         """Trains from the last checkpoint (or step 0) to `config.rl.steps`; returns the metric
-        rows of the steps it ran, then closes the store and the checkpoints.
+        rows of the steps it ran, then closes the store and the checkpoints. A workdir of a run
+        with other settings is refused first (`trace_jax.rl.workdir.guard_workdir`).
 
         `stop_after` ends the run after that many steps, as if it were killed (a chunk of a
         longer run; rerunning resumes after it). What an interrupted attempt did after its
         last checkpoint is redone: its guidance entries and log rows are dropped first.
         """
         rl = self.config.rl
-        start = self.restore()
-        # The store refuses to overwrite committed entries; the rows would appear twice.
-        stale = self.store.discard_from(rl.run_id, start)
-        dropped = {n: drop_rows_from(self.workdir, n, start) for n in ("rl_metrics", "rl_eval")}
+        try:
+            guard_workdir(self.workdir, "rl", self.config)  # refuses a workdir of other settings
+            start = self.restore()  # raises when no checkpoint is good
+            # The store refuses to overwrite committed entries; the rows would appear twice.
+            stale = self.store.discard_from(rl.run_id, start)
+            dropped = {n: drop_rows_from(self.workdir, n, start) for n in ("rl_metrics", "rl_eval")}
+        except Exception:
+            self.close()  # the checkpoints, the store and the trainer's threads
+            raise
         if stale or any(dropped.values()):
             log.info(
                 "resuming at step %d: dropped %d guidance entries and %s log rows of an "
@@ -167,6 +177,7 @@ class RLLoop:
                 t0 = time.perf_counter()
                 batch = self.rollout_step(step)
                 t1 = time.perf_counter()
+                maybe_die("rollout", step)  # TRACE_JAX_FAULT, for recovery tests
                 writes = self.publish_guidance(batch)
                 t2 = time.perf_counter()
                 metrics = self.train_step(batch, writes)
@@ -197,12 +208,16 @@ class RLLoop:
         return history
 
     def close(self) -> None:
-        """Waits for checkpoint writes and pending guidance writes; closes both."""
+        """Waits for checkpoint writes, the trainer's guidance work and pending guidance writes;
+        closes all three."""
         try:
             self.checkpoints.wait_until_finished()
             self.checkpoints.close()
         finally:
-            self.store.close()
+            try:
+                self.trainer.close()
+            finally:
+                self.store.close()
 
     def __enter__(self) -> RLLoop:
         return self

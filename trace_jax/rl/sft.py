@@ -4,8 +4,10 @@
 
 Writes into `workdir`: `sft_metrics.jsonl` (a row every `sft.log_every` steps and at the last;
 TensorBoard scalars under `tensorboard/`), the orbax checkpoint `sft_checkpoint/` (the model's
-`nnx.Param` state: what `rl.init_from` names) and `sft_eval.json` (`{"rows": [...]}`, pass@1 per
-split with bf16 and with NVFP4 W/A/KV execution).
+`nnx.Param` state: what `rl.init_from` names), `sft_eval.json` (`{"rows": [...]}`, pass@1 per
+split with bf16 and with NVFP4 W/A/KV execution) and the stage's settings `sft_config.json`
+(`trace_jax.rl.workdir`: a workdir of an SFT stage with other settings is refused, never
+retrained over or reused).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from trace_jax.rl.evaluate import pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.step import sft_step
+from trace_jax.rl.workdir import guard_workdir
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,9 @@ def evaluate_sft(model: Qwen3MoE, config: ExperimentConfig, key: jax.Array) -> l
 def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
     """Trains `config.sft.steps` steps from a fresh `config.model`, checkpoints it, evaluates
     it; returns the evaluation rows (`evaluate_sft`). Raises FloatingPointError on a non-finite
-    logged loss."""
-    os.makedirs(workdir, exist_ok=True)
+    logged loss, `WorkdirConfigError` (before any work) when `workdir` holds an SFT stage of
+    other settings."""
+    guard_workdir(workdir, "sft", config)
     sft = config.sft
     model = init_model(config.model, seed=config.seed)
     opt_cfg = GRPOConfig(
@@ -104,13 +108,19 @@ def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
     return rows
 
 
+def sft_finished(workdir: str) -> bool:
+    """Whether `workdir` holds a finished SFT stage: its checkpoint and its `sft_eval.json`."""
+    return all(os.path.exists(os.path.join(workdir, n)) for n in (SFT_CHECKPOINT, SFT_EVAL))
+
+
 def sft_or_reuse(config: ExperimentConfig, workdir: str) -> tuple[list[dict], float]:
-    """`run_sft`, unless `workdir` already holds a finished SFT stage (its checkpoint and its
-    `sft_eval.json`): returns (the evaluation rows, seconds spent: 0 when reused)."""
-    results = os.path.join(workdir, SFT_EVAL)
-    if os.path.exists(os.path.join(workdir, SFT_CHECKPOINT)) and os.path.exists(results):
+    """`run_sft`, unless `workdir` already holds a finished SFT stage (`sft_finished`) of these
+    settings: returns (the evaluation rows, seconds spent: 0 when reused). A finished stage of
+    other SFT settings (or of none recorded) raises `WorkdirConfigError`."""
+    if sft_finished(workdir):
+        guard_workdir(workdir, "sft", config)
         log.info("SFT stage found in %s; reusing it", workdir)
-        with open(results) as f:
+        with open(os.path.join(workdir, SFT_EVAL)) as f:
             return json.load(f)["rows"], 0.0
     t0 = time.perf_counter()
     rows = run_sft(config, workdir)
