@@ -1,38 +1,57 @@
-r"""Rollout decode throughput (tokens/s) against output length: bf16, FP4, FP4 + guidance capture
-(experiments/decode_throughput.py).
+r"""Whole rollouts at the paper's model shapes: tokens/s, prefill and the decode step against its
+byte limit, bf16 vs FP4 vs FP4 + guidance capture (experiments/rollout_throughput.py).
 
-python -m experiments.decode_throughput                                        # H200: `small`
-python -m experiments.decode_throughput --config.lengths=1024,8192 \
-    --config.variants="('bf16', 'fp4 pallas')"     # strings with spaces: quoted, in a tuple
-python -m experiments.decode_throughput --config=configs/decode_throughput.py:smoke  # CPU smoke
-python -m experiments.decode_throughput --plot_from=experiments/results/decode_throughput.json
+A row compiles two rollouts per variant and runs each three times; on an H200 (10-minute commands)
+run one row per command, merged into one result:
+
+for row in "64, 1024, 256" "64, 8192, 256" "16, 1024, 1024" "256, 1024, 256"; do
+  python -m experiments.rollout_throughput --config.rows="(($row),)" --config.merge=True
+done
+python -m experiments.rollout_throughput --config.variants="('bf16', 'fp4')" \
+    --config.model.grouped_matmul=tiled   # strings with spaces: quoted, in a tuple
+python -m experiments.rollout_throughput --config=configs/rollout_throughput.py:smoke  # CPU smoke
+python -m experiments.rollout_throughput --plot_from=experiments/results/rollout_throughput.json
 """
 
 import ml_collections
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The `small` preset, batch 16; `arg="smoke"`: the 2-block `tiny` model, 8 new tokens."""
+    """Qwen3-30B-A3B shapes cut to 12 blocks; `arg="smoke"`: the 1-block `tiny` model, 2 rows of
+    3 new tokens, one round."""
     c = ml_collections.ConfigDict()
     c.smoke = False
-    # ModelConfig.<preset>, with n_layers / head_dim replaced where set (random init)
+    # ModelConfig.<preset> with bf16 parameters (random init on the device), n_layers / head_dim
+    # replaced where set; grouped_matmul: the bf16 rollout's routed experts
+    # (trace_jax.models.grouped_matmul.GroupedMatmul)
     c.model = ml_collections.ConfigDict(
         {
-            "preset": "small",
-            "n_layers": ml_collections.config_dict.placeholder(int),
+            "preset": "qwen3_5_35b_a3b",
+            "n_layers": 12,
             "head_dim": ml_collections.config_dict.placeholder(int),
+            "grouped_matmul": "auto",
         }
     )
     c.format = "nvfp4"  # FP4 recipe of the FP4 variants (TRACE's rollout)
-    c.lengths = (1024, 4096, 16384)  # output lengths (new tokens)
-    c.variants = ("bf16", "fp4 xla", "fp4 pallas", "fp4 pallas + compact", "fp4 pallas + full")
-    c.batch = 16  # sequences per rollout
-    c.prompt_len = 64
-    c.repeats = 2  # timed rollouts per variant, after one warm-up
+    c.variants = ("bf16", "fp4", "fp4 + compact", "fp4 + full")  # "fp4 xla" is selectable
+    # (batch, prompt tokens, new tokens) per row; every variant runs every row
+    c.rows = ((64, 1024, 256), (64, 8192, 256), (16, 1024, 1024), (256, 1024, 256))
+    c.repeats = 2  # alternating timing rounds per row, after one warm-up rollout each
+    # the sampler's prefill chunk (SamplingConfig.prefill_chunk_tokens); unset: its default
+    c.prefill_chunk_tokens = ml_collections.config_dict.placeholder(int)
+    c.ceiling_bytes = 1 << 30  # bytes of the read-bandwidth measurement
+    c.summary_min_batch = 64  # the top-level worst cases are over rows of at least this batch
+    c.merge = False  # merge into an existing <outdir>/<name>.json by (row, variant)
     if arg == "smoke":
         c.smoke = True
-        c.model.preset, c.model.n_layers, c.model.head_dim = "tiny", 2, 32
-        c.lengths, c.batch, c.prompt_len, c.repeats = (8,), 2, 16, 1
+        c.model.preset, c.model.n_layers, c.model.head_dim = "tiny", 1, 32
+        c.rows, c.repeats, c.ceiling_bytes, c.summary_min_batch = (
+            ((2, 8, 3), (4, 8, 3)),
+            1,
+            1 << 20,
+            2,
+        )
+        c.prefill_chunk_tokens = 16
     elif arg:
         raise ValueError(f"unknown config variant {arg!r}; the only one is 'smoke'")
     return c

@@ -1,102 +1,231 @@
-r"""FP4 MoE grouped matmul (Pallas) against bf16 `jax.lax.ragged_dot`, at decode and prefill sizes.
+r"""Grouped expert matmul at decode and prefill sizes: bf16 XLA baselines, the bf16 and FP4 Pallas
+kernels over their block configs, against the dense bf16 rate and the read bandwidth.
 
-Per phase: M = tokens * top_k rows routed at random to G experts, NVFP4 activations times packed
-NVFP4 expert weights [G, N, K] with both Pallas program orders ("row_tiles", and "groups" with row
-tiles near the mean group size), each checked against the XLA reference on the device; the faster
-is reported against bf16 `ragged_dot` over the same shapes. Writes `<outdir>/<name>.{json,md}`
-(default `kernels_moe_matmul`). Launch commands: configs/bench_moe_matmul.py.
+Per phase (M rows routed at random to G experts, `[M, K] x [G, N, K]`), side by side:
+  ragged_dot     bf16 `jax.lax.ragged_dot` (XLA; densifies over the experts on a GPU)
+  tiled          bf16 `trace_jax.models.grouped_matmul.tiled_ragged_dot` (XLA)
+  pallas_bf16    `kernels_pallas.grouped_matmul` (bf16 weights)
+  fp4_bf16_act   `kernels_pallas.fp4_moe_matmul`, packed NVFP4 weights, bf16 activations
+  fp4_nvfp4_act  the same with NVFP4 activations
+  dense_bf16     `[M, K] x [K, N]` in bf16: the same FLOPs, the machine's matmul rate
+Each Pallas kernel runs every block config of `config.block_configs.<phase>.<kernel>` (timed with
+`harness.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
+recorded with its error and skipped); the best config per kernel and the baselines are then timed
+in alternating rounds (`harness.time_interleaved`, medians over rounds). Every output is checked
+against the float32 product of the same operands (the tiled form at HIGHEST precision on
+dequantized values). Byte limit: the bytes a kernel must move (weights of the experts with rows +
+activations + the bf16 output) over the read bandwidth measured in the run (`harness.ceilings`).
+Writes `<outdir>/<name>.{json,md}` (default `kernels_moe_matmul`); the JSON keeps every sweep
+entry. Launch commands: configs/bench_moe_matmul.py.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
 from absl import logging
-from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
 from experiments import harness
-from kernels_pallas.fp4_moe_matmul import api as moe
-from kernels_pallas.fp4_moe_matmul.reference import pack_weights
+from kernels_pallas.fp4_moe_matmul import (
+    dequantize_lhs,
+    dequantize_weights,
+    fp4_moe_matmul,
+    pack_weights,
+)
+from kernels_pallas.grouped_matmul import grouped_matmul
 from trace_jax import fp4
+from trace_jax.models.grouped_matmul import tiled_ragged_dot
 
-COLUMNS = ["phase", "M", "G", "K", "N", "fp4_ms", "fp4_grid", "bf16_ragged_dot_ms", "speedup"]
-COLUMNS += ["fp4_rel_err_vs_reference"]
-
-
-def fp4_matmul(x, packed, sizes, implementation: str, **launch) -> jax.Array:
-    """`fp4_moe_matmul` by `implementation` ("xla" | "pallas"), float32 out."""
-    return moe.fp4_moe_matmul(
-        x, packed, sizes, implementation=implementation, out_dtype=jnp.float32, **launch
-    )
+SWEPT = ("pallas_bf16", "fp4_bf16_act", "fp4_nvfp4_act")
+KERNELS = ("ragged_dot", "tiled", *SWEPT)
+DENSE = "dense_bf16"
+COLUMNS = ["phase", "M", "kernel", "ms", "tflops", "frac_of_dense", "byte_limit_ms"]
+COLUMNS += ["byte_limit_ratio", "vs_ragged_dot", "rel_err", "block_config"]
 
 
-def bench(config: ConfigDict) -> list[dict]:
-    """One row per phase of `config.phases`."""
-    g, d, f = config.experts, config.d_model, config.d_ff
-    fmt = fp4.get_format(config.format)
-    w = jax.random.normal(jax.random.key(7), (g, f, d), jnp.float32) * 0.02  # [G, N, K]
-    packed = pack_weights(w, fmt)
-    w_bf16 = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [G, K, N] for ragged_dot
-    out = []
-    for phase, tokens in config.phases:
-        m = tokens * config.top_k
-        x = jax.random.normal(jax.random.key(8), (m, d), jnp.bfloat16)
-        groups = jax.random.randint(jax.random.key(9), (m,), 0, g)
-        sizes = jnp.bincount(groups, length=g).astype(jnp.int32)
-        xq = fp4.quantize(x, fmt)
-        ref = fp4_matmul(xq, packed, sizes, "xla")
-        t_bf16 = harness.time_fn(jax.lax.ragged_dot, x, w_bf16, sizes, smoke=config.smoke)
-        # Row tiles near the mean group size, at least 16 (Triton's dot minimum).
-        block_m = int(max(16, min(64, pl.next_power_of_2(max(1, m // g)))))
-        grids = {"row_tiles": {}, "groups": {"block_m": block_m}}
-        by_grid, errs = {}, {}
-        for grid, extra in grids.items():
-            run = functools.partial(fp4_matmul, implementation="pallas", grid=grid, **extra)
-            got = run(xq, packed, sizes)
-            errs[grid] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            by_grid[grid] = harness.time_fn(run, xq, packed, sizes, smoke=config.smoke)
-        best = min(by_grid, key=by_grid.get)
-        out.append(
-            {
-                "op": "moe grouped matmul",
-                "fp4_bytes_GB": harness.nbytes(xq, packed) / 1e9,
-                "phase": phase,
-                "M": m,
-                "G": g,
-                "K": d,
-                "N": f,
-                "fp4_ms": 1e3 * by_grid[best],
-                "fp4_grid": best,
-                "fp4_ms_by_grid": {k: 1e3 * t for k, t in by_grid.items()},
-                "bf16_ragged_dot_ms": 1e3 * t_bf16,
-                "speedup": t_bf16 / by_grid[best],
-                "fp4_rel_err_vs_reference": max(errs.values()),
-            }
-        )
-        logging.info("%s", out[-1])
-    return out
+def operands(config: ConfigDict, m: int) -> dict:
+    """Random operands of one phase: x bf16 [M, K], w_nk bf16 [G, N, K] (w_kn its [G, K, N]),
+    packed NVFP4 weights, NVFP4 activations, and group sizes of M rows routed at random."""
+    g, k, n = config.experts, config.d_model, config.d_ff
+    w = jax.random.normal(jax.random.key(7), (g, n, k), jnp.float32) * 0.02
+    x = jax.random.normal(jax.random.key(8), (m, k), jnp.bfloat16)
+    groups = jax.random.randint(jax.random.key(9), (m,), 0, g)
+    w_nk = w.astype(jnp.bfloat16)
+    return {
+        "x": x,
+        "xq": jax.jit(fp4.quantize, static_argnums=1)(x, fp4.NVFP4),
+        "w_nk": w_nk,
+        "w_kn": jnp.swapaxes(w_nk, 1, 2),
+        "packed": jax.jit(pack_weights, static_argnums=1)(w, fp4.NVFP4),
+        "sizes": jnp.bincount(groups, length=g).astype(jnp.int32),
+    }
+
+
+@jax.jit
+def _float32_product(a, w_nk, sizes):
+    """The float32 grouped product of float32 operands at HIGHEST precision (the tiled form:
+    no dense expansion over the experts, so it fits at prefill sizes)."""
+    with jax.default_matmul_precision("highest"):
+        w_kn = jnp.swapaxes(w_nk, 1, 2)
+        return tiled_ragged_dot(a, w_kn, sizes, preferred_element_type=jnp.float32)
+
+
+def references(ops: dict) -> dict:
+    """kernel name -> the float32 product of that kernel's operands."""
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    bf16 = _float32_product(f32(ops["x"]), f32(ops["w_nk"]), ops["sizes"])
+    w_fp4 = dequantize_weights(ops["packed"])
+    by_fp4_act = {
+        "fp4_bf16_act": _float32_product(f32(ops["x"]), w_fp4, ops["sizes"]),
+        "fp4_nvfp4_act": _float32_product(dequantize_lhs(ops["xq"]), w_fp4, ops["sizes"]),
+    }
+    return {"ragged_dot": bf16, "tiled": bf16, "pallas_bf16": bf16, **by_fp4_act}
+
+
+def kernel_call(name: str, ops: dict, tiling: dict | None = None):
+    """(fn, args) of one kernel (a Pallas kernel with `tiling`'s keywords), bf16 out."""
+    tiling = tiling or {}
+    if name == "ragged_dot":
+        return jax.lax.ragged_dot, (ops["x"], ops["w_kn"], ops["sizes"])
+    if name == "tiled":
+        return tiled_ragged_dot, (ops["x"], ops["w_kn"], ops["sizes"])
+    if name == DENSE:
+        return jnp.matmul, (ops["x"], ops["w_kn"][0])
+    if name == "pallas_bf16":
+        fn = functools.partial(grouped_matmul, implementation="pallas", **tiling)
+        return fn, (ops["x"], ops["w_nk"], ops["sizes"])
+    fn = functools.partial(fp4_moe_matmul, implementation="pallas", **tiling)
+    lhs = ops["x"] if name == "fp4_bf16_act" else ops["xq"]
+    return fn, (lhs, ops["packed"], ops["sizes"])
+
+
+def bytes_moved(name: str, ops: dict) -> int:
+    """Bytes a kernel must move at least: the weights of the experts that have rows, the
+    activations, and the bf16 output."""
+    m, _ = ops["x"].shape
+    g, n, _ = ops["w_nk"].shape
+    out = m * n * 2
+    if name == DENSE:
+        return harness.nbytes(ops["x"], ops["w_kn"][0]) + out
+    active = int(jnp.count_nonzero(ops["sizes"]))
+    weights = ops["packed"] if name.startswith("fp4") else ops["w_nk"]
+    lhs = ops["xq"] if name == "fp4_nvfp4_act" else ops["x"]
+    return harness.nbytes(weights) * active // g + harness.nbytes(lhs) + out
+
+
+def relative_error(out: jax.Array, ref: jax.Array) -> float:
+    out = out.astype(jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def sweep(name: str, ops: dict, ref: jax.Array, configs, *, smoke: bool):
+    """One entry per block config: its median ms and error, or the error that stopped it; and the
+    (fn, args) of each entry (the same function objects hit jit's cache when timed again)."""
+    entries, calls = [], []
+    for tiling in configs:
+        tiling = dict(tiling)
+        fn, args = kernel_call(name, ops, tiling)
+        calls.append((fn, args))
+        try:
+            err = relative_error(jax.jit(fn)(*args), ref)
+            seconds = harness.time_fn(fn, *args, inner=10, trials=3, warmup=2, smoke=smoke)
+            entries.append({"config": tiling, "ms": 1e3 * seconds, "rel_err": err})
+        # Any failure of one config (tiles that do not fit the shapes, Triton out of shared memory
+        # or registers, a compile error) is a result of the sweep, not the end of it.
+        except Exception as e:
+            entries.append({"config": tiling, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        logging.info("%s %s: %s", name, tiling, entries[-1])
+    return entries, calls
+
+
+def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
+    """(rows, sweeps) of one phase: a row per kernel and the dense matmul; the sweep entries."""
+    ops = operands(config, m)
+    refs = references(ops)
+    calls, sweeps, best = {}, {}, {}
+    for name in SWEPT:
+        configs = config.block_configs[phase][name]
+        sweeps[name], sweep_calls = sweep(name, ops, refs[name], configs, smoke=config.smoke)
+        timed = [i for i, e in enumerate(sweeps[name]) if "ms" in e]
+        best[name] = None
+        if timed:
+            i = min(timed, key=lambda i: sweeps[name][i]["ms"])
+            best[name], calls[name] = sweeps[name][i], sweep_calls[i]
+    calls |= {name: kernel_call(name, ops) for name in ("ragged_dot", "tiled", DENSE)}
+    smoke = config.smoke
+    timing = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
+    by_round = harness.time_interleaved(calls, rounds=config.rounds, **timing)
+    ms = {name: 1e3 * statistics.median(t) for name, t in by_round.items()}
+    flops = 2 * m * config.d_model * config.d_ff
+    dense_tflops = flops / ms[DENSE] / 1e9
+    rows = []
+    for name in (*KERNELS, DENSE):
+        row = {"phase": phase, "M": m, "G": config.experts, "K": config.d_model}
+        row |= {"N": config.d_ff, "kernel": name}
+        row["active_experts"] = int(jnp.count_nonzero(ops["sizes"]))
+        if name in SWEPT:
+            row["block_config"] = best[name]["config"] if best[name] else None
+        if name not in ms:
+            row["error"] = "every block config failed (see the sweep)"
+            rows.append(row)
+            continue
+        row["ms"] = ms[name]
+        row["ms_by_round"] = [1e3 * t for t in by_round[name]]
+        row["tflops"] = flops / ms[name] / 1e9
+        row["frac_of_dense"] = row["tflops"] / dense_tflops
+        row["bytes_GB"] = bytes_moved(name, ops) / 1e9
+        row["byte_limit_ms"] = 1e3 * row["bytes_GB"] * 1e9 / read_bw
+        row["byte_limit_ratio"] = ms[name] / row["byte_limit_ms"]
+        row["vs_ragged_dot"] = ms["ragged_dot"] / ms[name]
+        if name in SWEPT:
+            row["rel_err"] = best[name]["rel_err"]
+        elif name != DENSE:
+            fn, args = calls[name]
+            row["rel_err"] = relative_error(jax.jit(fn)(*args), refs[name])
+        rows.append(row)
+        logging.info("%s", row)
+    return rows, sweeps
+
+
+def bench(config: ConfigDict) -> tuple[list[dict], dict]:
+    """Rows of every phase of `config.phases`, and the extra JSON (ceilings, sweeps)."""
+    ceilings = harness.ceilings(config.ceiling_bytes, smoke=config.smoke)
+    rows, sweeps = [], {}
+    for phase, m in config.phases:
+        phase_rows, sweeps[phase] = measure_phase(config, phase, m, ceilings["read_bw"])
+        rows += phase_rows
+    summary = {
+        phase: {r["kernel"]: r.get("ms") for r in rows if r["phase"] == phase}
+        for phase, _ in config.phases
+    }
+    return rows, {"ceilings": ceilings, "summary_ms": summary, "sweep": sweeps}
 
 
 def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Measures every phase and writes `<outdir>/<name>.{json,md}`; returns the rows."""
-    rows = bench(config)
+    rows, extra = bench(config)
     notes = (
-        f"{config.format} activations and weights; `fp4_grid`: the faster Pallas program order "
-        "(both are in `fp4_ms_by_grid`); `fp4_rel_err_vs_reference`: the larger of the two "
-        "against the XLA reference." + (harness.SMOKE_NOTE if config.smoke else "")
+        "`ms`: median over alternating rounds; `tflops`: 2 M K N / time; `frac_of_dense`: of "
+        "the dense bf16 `[M, K] x [K, N]` rate in the same run; `byte_limit_ms`: weights of "
+        "the experts with rows + activations + bf16 output, over the measured read bandwidth "
+        f"({extra['ceilings']['read_bw'] / 1e12:.2f} TB/s); `vs_ragged_dot`: ragged_dot's time "
+        "over this one; `rel_err`: Frobenius norm against the float32 product of the same "
+        "operands; `block_config`: the best of the Pallas kernel's sweep (every entry in the "
+        "JSON's `sweep`, `{}` = the kernel's default_block_config)."
+        + (harness.SMOKE_NOTE if config.smoke else "")
     )
-    summary = {"speedup": {r["phase"]: r["speedup"] for r in rows}}
     table = harness.write_table(
         name,
         rows,
         COLUMNS,
-        title="FP4 MoE grouped matmul",
+        title="Grouped expert matmul: bf16 and FP4 kernels",
         notes=notes,
         outdir=outdir,
-        extra={"summary": summary},
+        extra=extra,
     )
     print(table)
     return rows

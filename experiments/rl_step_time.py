@@ -1,8 +1,9 @@
 r"""GRPO step time of TRACE against plain FP4 rollouts, split into rollout, guidance I/O, training.
 
+  python -m experiments.rl_step_time --workdir=/tmp/steptime            # one GPU, in turn
   python -m experiments.rl_step_time --workdir=/tmp/steptime --gpus=0,1
-  python -m experiments.rl_step_time --config.step_time.methods="('trace', 'fp4_qat')" \
-      --config.step_time.steps=25 --workdir=/tmp/steptime
+  python -m experiments.rl_step_time --config=configs/rl_step_time.py:smoke \
+      --workdir=/tmp/steptime_smoke --outdir=/tmp/steptime_smoke       # CPU: every stage
 
 Runs each method of `step_time.methods` (`configs/rl_step_time.py`: the `small` preset) for
 `step_time.steps` GRPO steps from the same random initialization (no evaluation, no mismatch
@@ -10,10 +11,12 @@ steps: only the steady loop), each alone on its own GPU (`--gpus`, one per metho
 concurrently as subprocesses; without it, one after another in this process), then reports the
 median per-step time of each phase over the steps after the first `step_time.skip`
 (compilation) and the ratio of each method's step to the reference method's
-(`step_time.reference`, default: the last method, the plain FP4 rollout). The paper: TRACE's
-step takes +7.4% over plain FP4 rollout. With `--gpus`, each method's process also records its
-device's peak memory (`peak_memory_gib`, where the backend reports it: GPUs do, the CPU does
-not). Writes `<outdir>/<name>.{md,json,png}`; `--plot_from=<name>.json` redraws the PNG alone.
+(`step_time.reference`, default: the last method, the plain FP4 rollout), with the kernels each
+rollout ran (`rollout_implementation`: `rl.rollout_implementation`, "auto" = the Pallas kernels
+on a GPU). The paper: TRACE's step takes +7.4% over plain FP4 rollout. With `--gpus`, each
+method's process also records its device's peak memory (`peak_memory_gib`, where the backend
+reports it: GPUs do, the CPU does not). Writes `<outdir>/<name>.{md,json,png}`;
+`--plot_from=<name>.json` redraws the PNG alone.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ import matplotlib.pyplot as plt
 
 
 def plot(rows: Sequence[dict], path: str) -> None:
-    """One stacked bar per method: median rollout, guidance I/O (the write still committing and
-    the read, where logged) and training seconds of a GRPO step."""
+    """One stacked bar per method (labelled with its rollout's kernels where recorded): median
+    rollout, guidance I/O (the write still committing and the read, where logged) and training
+    seconds of a GRPO step."""
     parts = [("time_rollout_s", "rollout")]
     if all(k in r for r in rows for k in GUIDANCE_IO_PARTS):
         parts += [("time_guidance_write_s", "guidance write (waited for)")]
@@ -56,7 +60,9 @@ def plot(rows: Sequence[dict], path: str) -> None:
     for yi, r in zip(y, rows, strict=True):
         label = f" {r['time_step_s']:.3f} s ({r['step_vs_reference']:.2f}x)"
         ax.text(left[yi], yi, label, va="center")
-    ax.set(yticks=y, yticklabels=[r["method"] for r in rows], xlabel="seconds per GRPO step")
+    # Rows of older result files lack the rollout's kernels.
+    labels = [f"{r['method']} ({r.get('rollout_implementation', '?')})" for r in rows]
+    ax.set(yticks=y, yticklabels=labels, xlabel="seconds per GRPO step")
     ax.set_xlim(0, 1.3 * left.max())
     ax.invert_yaxis()
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(parts))
@@ -97,7 +103,8 @@ def run(
         for m in methods:
             step_time.run_method(config, workdir, m, timing.steps)
     rows = step_time.report(workdir, methods, timing.skip, reference)
-    cols = ["method", *PHASES, *GUIDANCE_IO_PARTS, "time_step_s", "guidance_io_share"]
+    cols = ["method", "rollout_implementation", *PHASES, *GUIDANCE_IO_PARTS, "time_step_s"]
+    cols += ["guidance_io_share"]
     cols += ["step_vs_reference", "steps_timed", "reward"]
     cols += ["peak_memory_gib"] if all("peak_memory_gib" in r for r in rows) else []
     placement = "each alone on its own GPU, concurrently" if gpus else "one after another"
@@ -107,8 +114,9 @@ def run(
         f"prompts x {rl.grpo.group_size} samples of {rl.max_new_tokens} new tokens, "
         f"{rl.grpo.mini_batches} mini-batches; {timing.steps} steps per method ({placement}), "
         f"medians over the steps after the first {timing.skip} (compilation). "
-        f"`step_vs_reference`: step time over `{reference}`'s (paper: TRACE +7.4% over plain "
-        f"FP4 rollout).\n\n![step time by phase]({name}.png)"
+        f"`rollout_implementation`: the rollout's kernels (`rl.rollout_implementation="
+        f"{rl.rollout_implementation}`). `step_vs_reference`: step time over `{reference}`'s "
+        f"(paper: TRACE +7.4% over plain FP4 rollout).\n\n![step time by phase]({name}.png)"
     )
     table = harness.write_table(
         name, rows, cols, title="GRPO step time: TRACE vs plain FP4 rollout", notes=notes,

@@ -1,26 +1,46 @@
-r"""Rollout decode throughput (tokens/s) against output length: bf16, FP4, FP4 + guidance capture.
+r"""Whole rollouts at the paper's model shapes: tokens/s, prefill, and the decode step against its
+byte limit, for bf16, FP4 and FP4 with guidance capture.
 
-The paper's speed claim (SPEC section 8): FP4 rollouts decode faster than BF16, more so at long
-outputs, and caching compact guidance keeps throughput near plain FP4 (full guidance costs more).
-This runs the real sampler (`trace_jax.rollout.generate`, prefill + the jitted decode loop) on a
-randomly initialized model, with no stop token so every sequence decodes `length` tokens, and
-times whole rollouts, side by side in one process:
+The paper's speed claim (SPEC section 8): FP4 rollouts run faster than bf16, and caching compact
+guidance keeps them near plain FP4 (full guidance costs more). This runs the real sampler
+(`trace_jax.rollout.generate`: chunked prefill + the jitted decode loop) on a randomly initialized
+model with bf16 parameters (initialized on the device), with no stop token so that every sequence
+decodes all its new tokens. Variants (`VARIANTS`):
 
-  * bf16           : no quantization, XLA (the BF16 rollout);
-  * fp4 xla        : NVFP4 W/A/KV with XLA fake quantization (reference path);
-  * fp4 pallas     : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
+  * bf16           : no quantization; routed experts by the config's `model.grouped_matmul`;
+  * fp4            : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
   * fp4 + compact  : the same, recording TRACE's compact guidance at the method's guided sites;
-  * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full).
+  * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full);
+  * fp4 xla        : NVFP4 W/A/KV by XLA fake quantization (the reference path; not a default).
 
-Each variant is compiled ahead of time (`jit(...).lower(...).compile()`); the reported time is the
-median of `repeats` rollouts after one warm-up. Sizes and launch commands:
-configs/decode_throughput.py. Writes `<outdir>/<name>.{md,json,png}` (default
-`decode_throughput`); `--plot_from=<name>.json` only redraws the PNG of a written result.
+Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant two rollouts are
+compiled ahead of time: N new tokens, and one new token, which is the prompt's prefill and the
+first sample (the sampler's decode loop runs no step). After one warm-up each, all rollouts of the
+row are timed in `repeats` alternating rounds (`harness.time_interleaved`), so that a drift of the
+device falls on every variant alike. From the medians: tokens/s = batch * N / rollout time;
+`prefill_ms` = the one-token rollout; `decode_ms_per_step` = (rollout - one-token rollout) / (N - 1)
+(the slope between the two lengths, median of the rounds' slopes).
+
+A decode step's byte limit is the bytes it must read over the read bandwidth measured in the same
+command (`harness.ceilings`): every dense weight (attention, router, norms, LM head; the embedding
+rows of the batch), the routed experts the step touches and the KV cache at the mean context of the
+steps the slope covers (prompt + N / 2), weights and cache in the variant's storage format (packed
+NVFP4 experts where the sampler packs them, the packed cache for every FP4 variant). With B tokens
+each routed to K of E experts, near-uniformly at random weights, an expert is missed by one token
+with probability 1 - K/E, so a layer reads E * (1 - (1 - K/E)^B) distinct experts on average.
+
+A variant that fails (for instance RESOURCE_EXHAUSTED at compile or run) is recorded with the first
+line of its error and the rest go on. Results go to `<outdir>/<name>.{json,md,png}` after every row
+(a command stopped by its time limit keeps the rows it finished); `config.merge` merges them into an
+existing JSON by (row, variant), so that several commands build one result. `--plot_from=<json>`
+only redraws the PNG. Sizes and launch commands: configs/rollout_throughput.py.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import dataclasses
+import json
 import os
 import statistics
 import time
@@ -35,7 +55,7 @@ from ml_collections import ConfigDict
 
 from experiments import harness
 from trace_jax.fp4 import GuidanceMode
-from trace_jax.models import ModelConfig, init_model
+from trace_jax.models import ModelConfig, abstract_model, init_cache, init_model, pack_model_experts
 from trace_jax.quant import SiteMode
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
@@ -45,120 +65,317 @@ from trace_jax.rollout import SamplingConfig, generate
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-# label -> (FP4 rollout?, kernel implementation, capture: None | "method" (trace's sites) | "all")
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A rollout configuration: FP4 W/A/KV or bf16, the kernels ("xla" | "pallas"), and what
+    guidance it records: None, "method" (TRACE's compact guidance at its guided sites) or "all"
+    (full codes at every FP4 site)."""
+
+    fp4: bool
+    implementation: str
+    capture: str | None = None
+
+    @property
+    def packs_experts(self) -> bool:
+        """Whether the sampler runs the experts on packed FP4 weights (it does on "pallas")."""
+        return self.fp4 and self.implementation == "pallas"
+
+
 VARIANTS = {
-    "bf16": (False, "xla", None),
-    "fp4 xla": (True, "xla", None),
-    "fp4 pallas": (True, "pallas", None),
-    "fp4 pallas + compact": (True, "pallas", "method"),
-    "fp4 pallas + full": (True, "pallas", "all"),
+    "bf16": Variant(False, "xla"),
+    "fp4": Variant(True, "pallas"),
+    "fp4 + compact": Variant(True, "pallas", "method"),
+    "fp4 + full": Variant(True, "pallas", "all"),
+    "fp4 xla": Variant(True, "xla"),
 }
+REQUIRED_ROW_KEYS = ("batch", "prompt_len", "new_tokens", "variants")
+TABLE_COLUMNS = ["batch", "prompt_len", "new_tokens", "variant", "tokens_per_s", "speedup_vs_bf16"]
+TABLE_COLUMNS += ["prefill_ms", "decode_ms_per_step", "byte_limit_ms", "byte_limit_ratio"]
+TABLE_COLUMNS += ["compile_s", "error"]
 
 
-def rollout_fn(cfg: ModelConfig, graphdef, variant: str, length: int, fmt: str = "nvfp4"):
-    """`(params, prompts, prompt_lengths, key) -> Rollout` for one variant, not yet jitted."""
-    fp4_on, implementation, capture = VARIANTS[variant]
+def rollout_kwargs(
+    cfg: ModelConfig, variant: str, new_tokens: int, fmt: str, prefill_chunk_tokens: int | None
+) -> dict:
+    """`generate`'s static keyword arguments for `variant` and `new_tokens` new tokens."""
+    v = VARIANTS[variant]
     setup = get_method("trace").setup(fmt, cfg.n_layers)
-    qcfg = setup.rollout_qcfg
-    keys, cmode = (), GuidanceMode.COMPACT
-    if capture == "method":
-        keys, cmode = setup.capture, setup.capture_mode
-    elif capture == "all":
-        keys, cmode = qcfg.all_keys(cfg.n_layers), GuidanceMode.FULL
-    sampling = SamplingConfig(max_new_tokens=length, temperature=1.0)  # no stop token
-    return functools.partial(
-        generate,
-        graphdef,
-        sampling=sampling,
-        qcfg=qcfg,
-        mode=SiteMode.RTN if fp4_on else SiteMode.OFF,
-        capture=keys,
-        capture_mode=cmode,
-        implementation=implementation,
+    keys, mode = (), GuidanceMode.COMPACT
+    if v.capture == "method":
+        keys, mode = setup.capture, setup.capture_mode
+    elif v.capture == "all":
+        keys, mode = setup.rollout_qcfg.all_keys(cfg.n_layers), GuidanceMode.FULL
+    chunk = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
+    return dict(
+        sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, **chunk),  # no stop
+        qcfg=setup.rollout_qcfg,
+        mode=SiteMode.RTN if v.fp4 else SiteMode.OFF,
+        capture=tuple(keys),
+        capture_mode=mode,
+        implementation=v.implementation,
     )
 
 
-def measure(
-    cfg: ModelConfig,
-    batch: int,
-    prompt_len: int,
-    lengths,
-    variants,
-    repeats: int,
-    fmt: str = "nvfp4",
-) -> list[dict]:
-    """One row per (length, variant): seconds per rollout, tokens/s, speedup vs bf16."""
-    graphdef, params = nnx.split(init_model(cfg, seed=0))
-    prompts = jax.random.randint(jax.random.key(1), (batch, prompt_len), 3, cfg.vocab_size)
-    plens = jnp.full((batch,), prompt_len, jnp.int32)
-    rows = []
-    for length in lengths:
-        base = None
-        for variant in variants:
-            fn = jax.jit(rollout_fn(cfg, graphdef, variant, length, fmt))
-            t0 = time.perf_counter()
-            compiled = fn.lower(params, prompts, plens, jax.random.key(2)).compile()
-            compile_s = time.perf_counter() - t0
-            times = []
-            for r in range(repeats + 1):  # the first is the warm-up
-                t0 = time.perf_counter()
-                roll = jax.block_until_ready(compiled(params, prompts, plens, jax.random.key(r)))
-                times.append(time.perf_counter() - t0)
-            n_new = int((roll.lengths - roll.prompt_lengths).sum())
-            if n_new != batch * length:  # the numbers below assume full-length rollouts
-                raise RuntimeError(f"{variant}: {n_new} tokens decoded, want {batch * length}")
-            sec = statistics.median(times[1:])
-            row = {
-                "output_length": length,
-                "variant": variant,
-                "batch": batch,
-                "seconds": sec,
-                "tokens_per_s": n_new / sec,
-                "ms_per_decode_step": 1e3 * sec / length,
-                "compile_s": compile_s,
-            }
-            base = sec if variant == "bf16" else base
-            if base is not None:
-                row["speedup_vs_bf16"] = base / sec
-            rows.append(row)
-            logging.info("%s", row)
-            print(
-                f"L={length:6d} {variant:22s} {row['tokens_per_s']:10.0f} tok/s "
-                f"{row['ms_per_decode_step']:.3f} ms/step (compile {compile_s:.0f} s)",
-                flush=True,
+def expected_active_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts that `tokens` tokens, each routed to `top_k` of `n_experts` uniformly at
+    random, touch on average: E * (1 - (1 - K/E)^B)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def decode_step_bytes(
+    graphdef, params, variant: str, fmt: str, batch: int, context: int
+) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` cache slots must read, in
+    `variant`'s storage format (see the module docstring): "dense" weights, "embedding" rows,
+    routed "experts", "kv" cache, their "total"; and "active_experts" per layer."""
+    model = nnx.merge(graphdef, params)
+    cfg, v = model.cfg, VARIANTS[variant]
+    qcfg = get_method("trace").setup(fmt, cfg.n_layers).rollout_qcfg
+    experts = sum(harness.nbytes(b.moe.w_gate, b.moe.w_up, b.moe.w_down) for b in model.layers)
+    embedding = 0 if cfg.tie_embeddings else harness.nbytes(model.embed)  # tied: the LM head
+    dense = harness.nbytes(params) - experts - embedding
+    if v.packs_experts:
+        packed = jax.eval_shape(lambda p: pack_model_experts(nnx.merge(graphdef, p), qcfg), params)
+        experts = harness.nbytes(packed)
+    kv_fmt = qcfg.kv_format if v.fp4 else None
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch=batch, max_len=context, kv_format=kv_fmt))
+    active = expected_active_experts(cfg.n_experts, cfg.top_k, batch)
+    out = {
+        "dense": float(dense),
+        "embedding": float(embedding * batch / cfg.vocab_size),
+        "experts": experts * active / cfg.n_experts,
+        "kv": float(harness.nbytes(cache.layers)),
+    }
+    return {**out, "total": sum(out.values()), "active_experts": active}
+
+
+def first_line(error: Exception) -> str:
+    """`Type: first non-empty line of the message` (at most 300 characters)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+class RolloutBench:
+    """The model of `config` (bf16 parameters, initialized on the device) and the read bandwidth;
+    `measure(row, run)` times every variant of one row."""
+
+    def __init__(self, config: ConfigDict, read_bw: float):
+        spec = from_section(ModelSpec, config.model)
+        # The rollout's copy of the policy is bf16 (the trainer keeps the fp32 master copy).
+        self.cfg = dataclasses.replace(spec.build(), param_dtype=jnp.bfloat16)
+        self.config, self.read_bw = config, read_bw
+        self.graphdef, _ = nnx.split(abstract_model(self.cfg))
+        # Parameters are made by one jitted call on the default device (never on the host at
+        # full size), and are arguments of the rollouts, not constants folded into them.
+        self.params = jax.jit(lambda: nnx.split(init_model(self.cfg, seed=0))[1])()
+
+    def compile(self, variant: str, prompts, plens, new_tokens: int) -> jax.stages.Compiled:
+        kw = rollout_kwargs(
+            self.cfg, variant, new_tokens, self.config.format, self.config.prefill_chunk_tokens
+        )
+        args = (self.graphdef, self.params, prompts, plens, jax.random.key(2))
+        return generate.lower(*args, **kw).compile()
+
+    def prepare(self, variant: str, prompts, plens, new_tokens: int) -> dict:
+        """Compiles and warms up `variant`'s two rollouts -> {"calls": length -> Compiled,
+        "compile_s", "temp_gib"}; raises what compiling or running them raises."""
+        t0 = time.perf_counter()
+        calls = {n: self.compile(variant, prompts, plens, n) for n in (new_tokens, 1)}
+        compile_s = time.perf_counter() - t0
+        batch = prompts.shape[0]
+        for n, compiled in calls.items():
+            roll = jax.block_until_ready(compiled(self.params, prompts, plens, jax.random.key(2)))
+            decoded = int((roll.lengths - roll.prompt_lengths).sum())
+            if decoded != batch * n:  # the numbers assume full-length rollouts
+                raise RuntimeError(f"{variant}: {decoded} tokens decoded, want {batch * n}")
+        stats = calls[new_tokens].memory_analysis()
+        temp = None if stats is None else stats.temp_size_in_bytes / 2**30
+        return {"calls": calls, "compile_s": compile_s, "temp_gib": temp}
+
+    def measure(self, row: tuple[int, int, int], run: int) -> dict:
+        """One row record: each variant's entry (numbers, or its error) under "variants"."""
+        batch, prompt_len, new_tokens = row
+        prompts = jax.random.randint(
+            jax.random.key(1), (batch, prompt_len), 3, self.cfg.vocab_size, jnp.int32
+        )
+        plens = jnp.full((batch,), prompt_len, jnp.int32)
+        args = (self.params, prompts, plens, jax.random.key(2))
+        entries, calls = {}, {}
+        for variant in self.config.variants:
+            try:
+                ready = self.prepare(variant, prompts, plens, new_tokens)
+            except Exception as e:  # recorded; the other variants still run
+                logging.exception("%s at %s failed", variant, row)
+                entries[variant] = {"error": first_line(e), "run": run}
+                continue
+            for n, compiled in ready.pop("calls").items():
+                calls[f"{variant}/{n}"] = (compiled, args)
+            entries[variant] = {**ready, "run": run}
+            logging.info("row %s: %s compiled (%.0f s) and warm", row, variant, ready["compile_s"])
+        timed = [v for v in entries if "error" not in entries[v]]
+        rounds: dict[str, list[float]] = {}
+        try:
+            if calls:  # warmed up above; whole rollouts need one call per round
+                timing = dict(rounds=self.config.repeats, inner=1, trials=1, warmup=0)
+                rounds = harness.time_interleaved(calls, **timing)
+        except Exception as e:
+            logging.exception("timing row %s failed", row)
+            entries.update({v: {"error": first_line(e), "run": run} for v in timed})
+            timed = []
+        context = prompt_len + new_tokens // 2  # mean context of decode steps 1 .. N - 1
+        for variant in timed:
+            full, one = rounds[f"{variant}/{new_tokens}"], rounds[f"{variant}/1"]
+            slopes = [(a - b) / (new_tokens - 1) for a, b in zip(full, one, strict=True)]
+            nbytes = decode_step_bytes(
+                self.graphdef, self.params, variant, self.config.format, batch, context
             )
-    return rows
+            decode_ms = 1e3 * statistics.median(slopes)
+            limit_ms = 1e3 * nbytes["total"] / self.read_bw
+            entries[variant].update(
+                rollout_s=statistics.median(full),
+                tokens_per_s=batch * new_tokens / statistics.median(full),
+                prefill_ms=1e3 * statistics.median(one),
+                decode_ms_per_step=decode_ms,
+                decode_bytes_per_step=nbytes,
+                byte_limit_ms=limit_ms,
+                byte_limit_ratio=decode_ms / limit_ms,
+                read_bw_GBps=self.read_bw / 1e9,
+                rollout_s_by_round=full,
+                prefill_s_by_round=one,
+            )
+        return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                "variants": entries}  # fmt: skip
 
 
-def latest_points(rows: Sequence[dict]) -> dict[str, list[dict]]:
-    """variant -> its rows by output length, the last row given for a (length, variant) winning
-    (a merged file lists its runs oldest first)."""
-    last = {(r["variant"], r["output_length"]): r for r in rows}
-    by_variant: dict[str, list[dict]] = {}
-    for (variant, _), row in sorted(last.items(), key=lambda kv: kv[0][1]):
-        by_variant.setdefault(variant, []).append(row)
-    return by_variant
+def time_ratio(a: dict, b: dict) -> float:
+    """Entry a's rollout time over entry b's: the median of same-round ratios when one command
+    timed both (alternately), else the ratio of their medians."""
+    if a["run"] == b["run"]:
+        by_round = {"a": a["rollout_s_by_round"], "b": b["rollout_s_by_round"]}
+        return harness.paired_ratio(by_round, "a", "b")
+    return a["rollout_s"] / b["rollout_s"]
 
 
-def plot(rows: Sequence[dict], path: str) -> None:
-    """tokens/s against output length, one line per variant (left), and each variant's ratio to
-    the bf16 rollout of the same command (right); the latest measurement of each point."""
+def summarize_row(record: dict) -> dict:
+    """`record` with its comparisons (re)computed from its variants' entries (None where a
+    variant is missing or failed): `fp4_speedup_vs_bf16` (fp4 tokens/s over bf16's), the bf16
+    and fp4 decode steps' `*_byte_limit_ratio`, `compact_capture_overhead` and
+    `full_capture_overhead` (rollout time over fp4's - 1), and each entry's `speedup_vs_bf16`.
+    Returns a new record (its entries copied)."""
+    variants = {k: dict(e) for k, e in record["variants"].items()}
+    timed = {k: e for k, e in variants.items() if "rollout_s" in e}
+    bf16, fp4 = timed.get("bf16"), timed.get("fp4")
+    for entry in timed.values():
+        entry["speedup_vs_bf16"] = None if bf16 is None else time_ratio(bf16, entry)
+    out = {
+        **record,
+        "variants": variants,
+        "fp4_speedup_vs_bf16": None if bf16 is None or fp4 is None else time_ratio(bf16, fp4),
+        "bf16_byte_limit_ratio": None if bf16 is None else bf16["byte_limit_ratio"],
+        "fp4_byte_limit_ratio": None if fp4 is None else fp4["byte_limit_ratio"],
+    }
+    for label in ("compact", "full"):
+        entry = timed.get(f"fp4 + {label}")
+        overhead = None if entry is None or fp4 is None else time_ratio(entry, fp4) - 1
+        out[f"{label}_capture_overhead"] = overhead
+    return out
+
+
+def row_key(record: dict) -> tuple[int, int, int]:
+    return record["batch"], record["prompt_len"], record["new_tokens"]
+
+
+def merge_rows(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
+    """Rows of `old` and `new` by (batch, prompt_len, new_tokens), a variant's entry of `new`
+    replacing `old`'s; old rows first, each summarized again."""
+    merged: dict[tuple, dict] = {}
+    for record in [*old, *new]:
+        key = row_key(record)
+        if key in merged:
+            variants = {**merged[key]["variants"], **record["variants"]}
+            merged[key] = {**merged[key], "variants": variants}
+        else:
+            merged[key] = {**record, "variants": dict(record["variants"])}
+    return [summarize_row(r) for r in merged.values()]
+
+
+def summarize(records: Sequence[dict], min_batch: int) -> dict:
+    """The worst case over rows of at least `min_batch` sequences (None where no row has it):
+    the largest byte-limit ratios and compact capture overhead, the smallest FP4 speedup."""
+
+    def worst(key, pick):
+        values = [r[key] for r in records if r["batch"] >= min_batch and r[key] is not None]
+        return pick(values) if values else None
+
+    return {
+        "bf16_byte_limit_ratio": worst("bf16_byte_limit_ratio", max),
+        "fp4_byte_limit_ratio": worst("fp4_byte_limit_ratio", max),
+        "compact_capture_overhead": worst("compact_capture_overhead", max),
+        "fp4_speedup_vs_bf16_worst": worst("fp4_speedup_vs_bf16", min),
+        "summary_min_batch": min_batch,
+    }
+
+
+def table_rows(records: Sequence[dict]) -> list[dict]:
+    """One flat row per (row, variant) for the markdown table."""
+    out = []
+    for r in records:
+        for variant, entry in r["variants"].items():
+            flat = {k: r[k] for k in ("batch", "prompt_len", "new_tokens")}
+            flat.update(variant=variant, **entry)
+            if "error" in flat:  # a table cell: no column separators
+                flat["error"] = flat["error"].replace("|", "/")
+            out.append(flat)
+    return out
+
+
+def tokens_per_s_points(records, variant, keep, x) -> tuple[list, list]:
+    """(x, tokens/s) of `variant`'s timed entries in the rows `keep` selects, sorted by x."""
+    points = sorted(
+        (x(r), r["variants"][variant]["tokens_per_s"])
+        for r in records
+        if keep(r) and "tokens_per_s" in r["variants"].get(variant, {})
+    )
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(records: Sequence[dict], path: str) -> None:
+    """tokens/s against batch at the most common (prompt, new tokens) of the rows (left), and
+    against the context (prompt + new tokens) at the most common batch (right); one line per
+    variant."""
+    lengths = collections.Counter((r["prompt_len"], r["new_tokens"]) for r in records)
+    (prompt_len, new_tokens), _ = lengths.most_common(1)[0]
+    batch, _ = collections.Counter(r["batch"] for r in records).most_common(1)[0]
+    variants = list(dict.fromkeys(v for r in records for v in r["variants"]))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for i, (variant, points) in enumerate(latest_points(rows).items()):
-        lengths = [r["output_length"] for r in points]
+    for i, variant in enumerate(variants):
         style = {"marker": "o", "color": f"C{i}", "label": variant}
-        left.plot(lengths, [r["tokens_per_s"] for r in points], **style)
-        ratio = [r for r in points if "speedup_vs_bf16" in r]
-        if ratio and variant != "bf16":
-            x = [r["output_length"] for r in ratio]
-            right.plot(x, [r["speedup_vs_bf16"] for r in ratio], **style)
-    right.axhline(1.0, color="k", lw=0.8, ls=":")
-    for ax, ylabel in ((left, "tokens / s"), (right, "throughput vs bf16 (same command)")):
-        ax.set(xlabel="output length (new tokens)", ylabel=ylabel)
+        xs, ys = tokens_per_s_points(
+            records,
+            variant,
+            lambda r: (r["prompt_len"], r["new_tokens"]) == (prompt_len, new_tokens),
+            lambda r: r["batch"],
+        )
+        if xs:
+            left.plot(xs, ys, **style)
+        xs, ys = tokens_per_s_points(
+            records,
+            variant,
+            lambda r: r["batch"] == batch,
+            lambda r: r["prompt_len"] + r["new_tokens"],
+        )
+        if xs:
+            right.plot(xs, ys, **style)
+    left.set(xlabel="batch", title=f"prompt {prompt_len}, {new_tokens} new tokens")
+    right.set(xlabel="context (prompt + new tokens)", title=f"batch {batch}")
+    for ax in (left, right):
+        ax.set(ylabel="tokens / s")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
+        ax.title.set_fontsize(8)
     left.legend(fontsize=7)
-    fig.suptitle("Rollout decode throughput vs output length", fontsize=9)
+    fig.suptitle("Rollout throughput", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -166,50 +383,97 @@ def plot(rows: Sequence[dict], path: str) -> None:
 
 def plot_from(path: str) -> str:
     """Redraws `<name>.png` beside a written `<name>.json`; returns the PNG's path."""
-    required = ("variant", "output_length", "tokens_per_s")
-    rows = harness.rows_written_by(path, "experiments.decode_throughput", required)
+    records = harness.rows_written_by(path, "experiments.rollout_throughput", REQUIRED_ROW_KEYS)
     out = os.path.splitext(path)[0] + ".png"
-    plot(rows, out)
+    plot(records, out)
     return out
 
 
-def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
-    """Times every (length, variant) and writes `<outdir>/<name>.{md,json,png}`; returns the
-    rows."""
-    cfg = from_section(ModelSpec, config.model).build()
-    unknown = set(config.variants) - set(VARIANTS)
+def check_config(config: ConfigDict) -> list[tuple[int, int, int]]:
+    """The rows of `config`, checked with its variants; ValueError naming a bad one."""
+    unknown = sorted(set(config.variants) - set(VARIANTS))
     if unknown:
-        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    rows = measure(
-        cfg,
-        config.batch,
-        config.prompt_len,
-        config.lengths,
-        config.variants,
-        config.repeats,
-        config.format,
-    )
-    cols = ["output_length", "variant", "tokens_per_s", "ms_per_decode_step", "speedup_vs_bf16"]
-    notes = (
-        f"Model `{config.model.preset}` (random init), batch {config.batch}, prompt "
-        f"{config.prompt_len} tokens, {config.format} W/A/KV for the FP4 variants, temperature 1, "
-        "no stop token (every sequence decodes the full length). Median of "
-        f"{config.repeats} rollouts after a warm-up; compile time excluded. `+ compact`: TRACE's "
-        "compact guidance at the deeper half's sites; `+ full`: full codes at every FP4 site."
-        + (" SMOKE RUN: tiny sizes; the numbers mean nothing." if config.smoke else "")
-        + f"\n\n![tokens/s vs output length]({name}.png)"
-    )
-    table = harness.write_table(
-        name,
-        rows,
-        [*cols, "compile_s"],
-        title="Rollout decode throughput vs output length",
-        notes=notes,
-        outdir=outdir,
-    )
-    plot(rows, os.path.join(outdir, f"{name}.png"))
-    print(table)
+        raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    rows = [tuple(r) for r in config.rows]
+    if not rows:
+        raise ValueError("rows is empty; give (batch, prompt tokens, new tokens) rows")
+    for r in rows:
+        if len(r) != 3 or not all(isinstance(n, int) and n >= 1 for n in r) or r[2] < 2:
+            raise ValueError(
+                f"row {r} is not (batch >= 1, prompt tokens >= 1, new tokens >= 2) ints "
+                "(the decode step is the slope between N and 1 new tokens)"
+            )
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"rows {rows} repeat a row")
+    if config.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {config.repeats}")
     return rows
+
+
+def previous_result(path: str) -> tuple[list[dict], list[dict]]:
+    """The rows and runs of a result this module wrote at `path`; none if there is no file."""
+    if not os.path.exists(path):
+        return [], []
+    records = harness.rows_written_by(path, "experiments.rollout_throughput", REQUIRED_ROW_KEYS)
+    with open(path) as f:
+        return records, json.load(f).get("runs", [])
+
+
+def notes(config: ConfigDict, cfg: ModelConfig) -> str:
+    return (
+        f"Model `{config.model.preset}` (n_layers={cfg.n_layers}), bf16 parameters (random "
+        f"init), `grouped_matmul={cfg.grouped_matmul}` for bf16's experts; {config.format} "
+        "W/A/KV for the FP4 variants; temperature 1, no stop token. Per row every variant is "
+        f"timed in {config.repeats} alternating round(s) after a warm-up. `prefill_ms`: a rollout "
+        "of one new token (prefill and the first sample, no decode step); `decode_ms_per_step`: "
+        "the slope between N and one new tokens; `byte_limit_ms`: the weights and KV cache one "
+        "decode step reads (mean context, expected distinct experts) over the read bandwidth "
+        "measured in the same command. Speedups and capture overheads are medians of same-round "
+        "ratios. `+ compact`: TRACE's compact guidance at its guided sites; `+ full`: full codes "
+        "at every FP4 site. Each entry's command is `runs[entry.run]` in the JSON."
+        + (harness.SMOKE_NOTE if config.smoke else "")
+    )
+
+
+def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
+    """Times every row and writes `<outdir>/<name>.{json,md,png}` after each (merged into the
+    existing JSON with `config.merge`); returns the row records."""
+    rows = check_config(config)
+    json_path = os.path.join(outdir, f"{name}.json")
+    old, runs = previous_result(json_path) if config.merge else ([], [])
+    ceil = harness.ceilings(config.ceiling_bytes, smoke=config.smoke)
+    logging.info("ceilings %s", ceil)
+    bench = RolloutBench(config, ceil["read_bw"])
+    meta = harness.provenance()
+    runs = [*runs, {k: meta[k] for k in ("date", "device", "command")}]
+    new, table = [], ""
+    for i, row in enumerate(rows):
+        print(f"row {i + 1}/{len(rows)} (batch, prompt, new tokens) = {row}", flush=True)
+        new.append(bench.measure(row, run=len(runs) - 1))
+        records = merge_rows(old, new)
+        extra = {
+            "device": meta["device"],
+            "read_bw_GBps": ceil["read_bw"] / 1e9,
+            **summarize(records, config.summary_min_batch),
+            "runs": runs,
+        }
+        table = harness.markdown_table(table_rows(records), TABLE_COLUMNS)
+        harness.write_results(
+            name,
+            records,
+            title="Rollout throughput at the model's shapes",
+            table=table,
+            notes=notes(config, bench.cfg)
+            + f"\n\n![tokens/s against batch and context]({name}.png)",
+            outdir=outdir,
+            extra=extra,
+        )
+        plot(records, os.path.join(outdir, f"{name}.png"))
+        for variant, entry in new[-1]["variants"].items():
+            done = entry.get("error") or f"{entry['tokens_per_s']:.0f} tokens/s"
+            print(f"  {variant:14s} {done}", flush=True)
+    print(table)
+    return records
 
 
 def main(argv):
@@ -222,8 +486,8 @@ def main(argv):
 
 
 def define_flags() -> None:
-    harness.define_config_flag("decode_throughput")
-    harness.define_result_flags("decode_throughput")
+    harness.define_config_flag("rollout_throughput")
+    harness.define_result_flags("rollout_throughput")
     flags.DEFINE_string("plot_from", "", "only redraw the PNG of this written JSON")
 
 

@@ -27,6 +27,7 @@ from kernels_pallas.fp4_moe_matmul.api import (
 )
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
+    default_block_config,
     fp4_moe_matmul_pallas,
     tile_group_ranges,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "PackedFP4Weights",
     "block_config",
     "check_operands",
+    "default_block_config",
     "dequantize_lhs",
     "dequantize_weights",
     "fp4_moe_matmul",

@@ -13,6 +13,7 @@ named implementation runs alone and its errors propagate; a sequence of names is
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ from kernels_pallas.fp4_moe_matmul import scaled
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
     check_tiling,
+    default_block_config,
     fp4_moe_matmul_pallas,
     lhs_format,
 )
@@ -35,9 +37,6 @@ from kernels_pallas.fp4_moe_matmul.reference import (
     fp4_moe_matmul_reference,
 )
 from trace_jax import fp4
-
-_DEFAULTS = BlockConfig()
-_MIN_BLOCK = 16
 
 
 class MoEImplementation(enum.StrEnum):
@@ -59,21 +58,10 @@ def _compute_capability() -> float:
         return 0.0
 
 
-def _pick_block(requested: int | None, default: int, dim: int, multiple: int, name: str) -> int:
-    """A requested block is used as is; the default shrinks (powers of two) until it divides dim.
-
-    Raises NotImplementedError when no default fits (the caller may fall back to XLA).
-    """
-    if requested is not None:
-        return requested
-    block = min(default, max(_MIN_BLOCK, pl.next_power_of_2(dim)))
-    while block >= max(_MIN_BLOCK, multiple):
-        if dim % block == 0 and block % multiple == 0:
-            return block
-        block //= 2
-    raise NotImplementedError(
-        f"pallas: no power-of-two {name} >= {max(_MIN_BLOCK, multiple)} divides {dim}"
-    )
+def native_block_scaled() -> bool:
+    """Whether the default GPU multiplies block-scaled FP4 in hardware (compute capability >= 10,
+    Blackwell), where "scaled_matmul" leads the default order (`implementation_order`)."""
+    return _compute_capability() >= 10
 
 
 def block_config(
@@ -83,27 +71,31 @@ def block_config(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = _DEFAULTS.num_warps,
-    num_stages: int = _DEFAULTS.num_stages,
-    grid: str = _DEFAULTS.grid,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    grid: str | None = None,
 ) -> BlockConfig:
-    """The Pallas tiling for these operands: given blocks are checked (ValueError), missing ones
-    default to 64 and shrink to fit (block_m to M, or with the "groups" grid to the mean group
-    size M / G; block_n to divide N, block_k to divide K)."""
+    """The Pallas tiling for these operands: given values as they are (ValueError if they do not
+    tile N and K or miss the formats' scale blocks), the rest from
+    `kernel.default_block_config(M, G, K, N, lhs_fmt=...)` (with the "row_tiles" grid, block_m
+    defaults to M up to 64 instead)."""
     m = lhs.shape[0]
     g, n, k = rhs.shape
-    fmt_blocks = [f.block_size for f in (rhs.fmt, lhs_format(lhs)) if f is not None]
-    if block_m is None:
-        rows = pl.cdiv(m, g) if grid == "groups" else m
-        block_m = min(_DEFAULTS.block_m, max(_MIN_BLOCK, pl.next_power_of_2(rows)))
-    config = BlockConfig(
+    given = dict(
         block_m=block_m,
-        block_n=_pick_block(block_n, _DEFAULTS.block_n, n, 1, "block_n"),
-        block_k=_pick_block(block_k, _DEFAULTS.block_k, k, max(fmt_blocks), "block_k"),
+        block_n=block_n,
+        block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
-        grid=grid,
+        grid=grid or BlockConfig.grid,
     )
+    if given["grid"] == "row_tiles" and block_m is None:
+        given["block_m"] = min(64, max(16, pl.next_power_of_2(m)))
+    if any(value is None for value in given.values()):
+        defaults = default_block_config(m, g, k, n, lhs_fmt=lhs_format(lhs))
+        defaults = dataclasses.asdict(defaults)
+        given = {f: defaults[f] if value is None else value for f, value in given.items()}
+    config = BlockConfig(**given)
     check_tiling(config, lhs, rhs)
     return config
 
@@ -162,7 +154,7 @@ def implementation_order(
 ) -> tuple[MoEImplementation, ...]:
     """The implementations `fp4_moe_matmul` tries, in order (see the module docstring)."""
     gpu_order = (MoEImplementation.PALLAS, MoEImplementation.XLA)
-    if implementation is None and _compute_capability() >= 10:
+    if implementation is None and native_block_scaled():
         gpu_order = (MoEImplementation.SCALED_MATMUL, *gpu_order)
     return common.implementation_order(implementation, MoEImplementation, gpu_order)
 
@@ -176,9 +168,9 @@ def fp4_moe_matmul_with_implementation(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = _DEFAULTS.num_warps,
-    num_stages: int = _DEFAULTS.num_stages,
-    grid: str = _DEFAULTS.grid,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    grid: str | None = None,
     interpret: bool | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> tuple[jax.Array, MoEImplementation]:
@@ -212,9 +204,9 @@ def fp4_moe_matmul(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = _DEFAULTS.num_warps,
-    num_stages: int = _DEFAULTS.num_stages,
-    grid: str = _DEFAULTS.grid,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    grid: str | None = None,
     interpret: bool | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
@@ -227,10 +219,10 @@ def fp4_moe_matmul(
         the sum give 0.
       implementation: None | "scaled_matmul" | "pallas" | "xla", or a sequence of them (see the
         module docstring).
-      block_m, block_n, block_k: Pallas tiles (powers of two >= 16). None: 64, shrunk to fit M,
-        to divide N, and to divide K while staying a multiple of the formats' block sizes.
-      num_warps, num_stages: Triton launch parameters.
-      grid: Pallas program order, "row_tiles" or "groups" (see `kernel.GRID_ORDERS`).
+      block_m, block_n, block_k: Pallas tiles (powers of two, >= 16; block_k >= 32 and a
+        multiple of the formats' block sizes); num_warps, num_stages: Triton launch parameters.
+        None: `kernel.default_block_config` for these shapes (`block_config`).
+      grid: Pallas program order, "row_tiles" or "groups" (default; see `kernel.GRID_ORDERS`).
       interpret: Pallas interpret mode; None: on unless running on a GPU.
       out_dtype: output dtype; every implementation accumulates in float32.
 

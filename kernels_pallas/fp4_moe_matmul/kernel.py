@@ -3,25 +3,30 @@
 Axis legend: M rows of lhs (sorted by group), K contraction, N outputs, G groups (experts);
 T = cdiv(M, block_m) row tiles.
 
-Design. The grid is (T, N // block_n). Program (i, j) owns output tile rows
-`[i * block_m, (i + 1) * block_m)` x columns `[j * block_n, (j + 1) * block_n)` and writes it
-once. A row tile may straddle group boundaries, so the program loops over the groups that touch
-its rows, `[first[i], end[i])` (from `tile_group_ranges`, a few XLA ops on `[T]` vectors outside
-the kernel; the Triton lowering has no scalar prefetch), and for each group:
-  * skips it if it is empty (`lax.cond`);
-  * loops over K in `block_k` steps, contracting even and odd K columns separately (two dots):
-    the packed weight bytes `[block_n, block_k // 2]` decode to their even and odd planes without
-    an interleave (`common.fp4_planes_as_e4m3`: two bit operations per byte, then the hardware
-    FP8 -> bf16 convert, values * 2**-6, exact), times the block scales; the activations arrive
-    already split into even and odd columns (a copy outside the kernel), masked to the group's
-    rows, FP4/FP8 codes decoded the same way; bfloat16 dots with float32 accumulation (Hopper has
-    no FP4 tensor cores); the 2**-6 factors are undone after the K loop;
-  * multiplies the group's float32 sum by the global scales (the expert's, and the per-row NVFP4
-    activation scale) and selects it into the rows of that group.
-Rows past `sum(group_sizes)` belong to no group and stay 0; the store is masked to rows < M.
-Cost: a tile spanning s groups does s passes over K, so the extra work is at most one tile per
-group boundary (the same count as padding every group to `block_m`), without gathering lhs into a
-padded layout.
+Design. Two program orders (`GRID_ORDERS`) share one tile product: over K in `block_k` steps,
+even and odd K columns contracted separately (two dots of K = block_k / 2 each): the packed weight
+bytes `[block_n, block_k // 2]` decode to their even and odd planes without an interleave
+(`common.fp4_planes_as_e4m3`: two bit operations per byte, then the hardware FP8 -> bf16 convert,
+values * 2**-6, exact), times the block scales; the activations arrive already split into even and
+odd columns (a copy outside the kernel), masked to the group's rows, FP4/FP8 codes decoded the
+same way; bfloat16 dots with float32 accumulation (Hopper has no FP4 tensor cores); the 2**-6
+factors are undone after the K loop, then the float32 sum is multiplied by the global scales (the
+expert's, and the per-row NVFP4 activation scale).
+  * "groups" (default): the group-major grid of `kernels_pallas.grouped_matmul.kernel`
+    (`group_major_call`, shared with the bf16 grouped matmul; its docstring has the design):
+    program (j, g) walks group g's row tiles for N tile j, the tail program writes the rows of no
+    group as zeros; this module supplies the tile product as its hook.
+  * "row_tiles": grid (T, N // block_n). Program (i, j) owns output tile rows
+    `[i * block_m, (i + 1) * block_m)` x columns `[j * block_n, (j + 1) * block_n)` and writes it
+    once. A row tile may straddle group boundaries, so the program loops over the groups that
+    touch its rows, `[first[i], end[i])` (from `tile_group_ranges`, a few XLA ops on `[T]`
+    vectors outside the kernel; the Triton lowering has no scalar prefetch), skips empty ones
+    (`lax.cond`), and selects each group's product into that group's rows. Rows past
+    `sum(group_sizes)` stay 0; the store is masked to rows < M. A tile spanning s groups does s
+    passes over K: at most one extra tile per group boundary.
+Tiles: Hopper's tensor cores take 16-deep K steps, so block_k = 64 gives each plane's dot only
+two of them per loaded tile; `default_block_config` takes block_k = 128 (prefill) or 256 (decode,
+where long K steps keep more weight bytes in flight).
 
 Numerics. A decoded operand is exact in bfloat16: E2M1 (2 significant bits) times an E4M3 scale
 (4 bits) or a power of two, and E4M3 elements times a power of two, all fit bfloat16's 8 bits and
@@ -30,11 +35,12 @@ float32; only the NVFP4 global scales (arbitrary float32) are applied after the 
 float32 multiplications. The reference instead rounds `code * (block_scale * global_scale)` per
 element in float32, so the two agree to float32 summation error (see the tests' tolerance).
 
-GPU status: runs on the H200 (experiments/results/kernels_moe_matmul.md, relative error vs the
-reference 8e-7): with the group-major grid, prefill (M = 32768, 128 experts) is 13x faster than bf16
-`ragged_dot` and decode (M = 128) 1.3x faster; the first (row tile, N tile) grid was 13x slower
-than `ragged_dot` at decode (a few dozen programs). JAX 0.11 marks the Pallas Triton backend
-deprecated in favour of Mosaic GPU.
+GPU status: runs on the H200 (experiments/results/kernels_moe_matmul.md, 128 experts, K = 2048,
+N = 768, bf16 / NVFP4 activations): decode (M = 512) 0.145 / 0.241 ms, 2.9x / 1.8x faster than
+bf16 `ragged_dot` but slower than the bf16 Pallas grouped matmul (0.115 ms); prefill (M = 65536)
+176 / 106 TFLOP/s, 26% / 16% of the dense bf16 rate. The row-tile grid is 2.8x slower than the
+group-major one at M = 65536 and was 13x slower than `ragged_dot` at decode (history). JAX 0.11
+marks the Pallas Triton backend deprecated in favour of Mosaic GPU.
 
 A TPU (Mosaic) lowering would need: scalar prefetch (`PrefetchScalarGridSpec`) of a
 (row tile, group) visit list as in megablox's `gmm`, so index maps fetch only the visited expert's
@@ -65,26 +71,31 @@ from kernels_pallas.common import (
     triton_params,
 )
 from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights, check_operands
+from kernels_pallas.grouped_matmul.kernel import (
+    MIN_DOT_DIM,
+    fit_block,
+    group_major_call,
+    group_row_bounds,
+    is_pow2,
+    pad_rows,
+    padded_rows,
+    row_tile,
+)
 from trace_jax import fp4
-
-_MIN_DOT_DIM = 16  # Triton's smallest tensor-core tile edge for bfloat16 `tl.dot`.
 
 # "row_tiles": grid (cdiv(M, block_m), N / block_n), a row tile loops over the groups it touches
 # (fast at prefill, slow at decode, where it makes only a few dozen programs).
-# "groups" (default): grid (G, N / block_n), a program loops over its group's row tiles, so decode
-# with many experts gets G x N / block_n programs. H200, G=128 K=2048 N=768 NVFP4
-# (experiments/results/kernels_moe_matmul.md): decode M=128 2.40 -> 0.14 ms, prefill M=32768
-# 2.08 -> 1.43 ms.
+# "groups" (default): a program per (N tile, group) loops over its group's row tiles, so decode
+# with many experts gets G x N / block_n programs. H200, G=128 K=2048 N=768 NVFP4, with the groups
+# on the fast grid axis (history; experiments/results/kernels_moe_matmul.md): decode M=128
+# 2.40 -> 0.14 ms, prefill M=32768 2.08 -> 1.43 ms.
 GRID_ORDERS = ("row_tiles", "groups")
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockConfig:
-    """Tiling and Triton launch parameters (defaults: a first guess, not tuned on a GPU)."""
+    """Tiling and Triton launch parameters (class defaults: one fixed choice;
+    `default_block_config` picks per shape)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -98,13 +109,44 @@ class BlockConfig:
             raise ValueError(f"grid must be one of {GRID_ORDERS}, got {self.grid!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            least = 2 * _MIN_DOT_DIM if name == "block_k" else _MIN_DOT_DIM  # K: two planes
-            if not _is_pow2(value) or value < least:
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
-        if not _is_pow2(self.num_warps):
-            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+            least = 2 * MIN_DOT_DIM if name == "block_k" else MIN_DOT_DIM  # K: two planes
+            if not isinstance(value, int) or not is_pow2(value) or value < least:
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}")
+        if not isinstance(self.num_warps, int) or not is_pow2(self.num_warps):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+
+
+def default_block_config(
+    m: int, g: int, k: int, n: int, *, lhs_fmt: fp4.BlockFormat | None = None
+) -> BlockConfig:
+    """Tiles of the "groups" grid for M rows over G groups, `[M, K] x [G, N, K]`, with activations
+    in `lhs_fmt` (None: bfloat16), from the H200 sweep (`experiments/results/
+    kernels_moe_matmul.json`, G = 128, K = 2048, N = 768, NVFP4 weights).
+
+    Row tiles of `grouped_matmul.kernel.row_tile`, at most 256 rows (128 with quantized
+    activations, which every N tile decodes again: wider N tiles pay off more there than taller
+    row tiles). K steps of 256 at decode and 128 at prefill (plane dots 128 and 64 deep), two
+    load stages (three for bf16 activations in row tiles of up to 128: 15% faster at 8192 rows).
+    Every default tile ran in that sweep (larger ones can exceed Triton's shared memory).
+    block_n and block_k shrink to divide N and K (NotImplementedError if no power of two does:
+    >= 16 for N, >= 32 for K); the api checks block_k against the formats' scale blocks."""
+    quantized = lhs_fmt is not None
+    block_m = row_tile(m, g, 128 if quantized else 256)
+    if block_m <= 32:  # decode
+        block_n, block_k, num_warps, num_stages = 128 if quantized else 64, 256, 4, 3
+    else:
+        wide = quantized and m >= 256 * g  # hundreds of rows per group
+        block_n, block_k, num_warps = (256 if wide else 128), 128, 8 if block_m >= 128 else 4
+        num_stages = 3 if not quantized and block_m <= 128 else 2
+    return BlockConfig(
+        block_m=block_m,
+        block_n=fit_block(block_n, n, "block_n"),
+        block_k=fit_block(block_k, k, "block_k", least=2 * MIN_DOT_DIM),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 def lhs_format(lhs: Lhs) -> fp4.BlockFormat | None:
@@ -135,9 +177,8 @@ def tile_group_ranges(group_sizes: jax.Array, m: int, block_m: int):
       first, end: int32 `[T]`: tile i touches groups `first[i] <= g < end[i]` (empty groups
         inside the range included; tiles past the last row get an empty range).
     """
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    bounds = group_row_bounds(group_sizes, m)[:-1]  # without the tail's end
+    starts, ends = bounds[:-1], bounds[1:]
     tile_start = jnp.arange(pl.cdiv(m, block_m), dtype=jnp.int32) * block_m
     tile_end = jnp.minimum(tile_start + block_m, m)
     first = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
@@ -263,40 +304,27 @@ def _kernel(*refs, st: _Statics):
     plgpu.store(out_ref, acc.astype(st.out_dtype), mask=out_mask)
 
 
-def _group_major_kernel(*refs, st: _Statics):
-    """Program (g, j): every row tile of group g x output columns j (see GRID_ORDERS)."""
-    bounds_ref = refs[0]
-    lhs_refs = refs[1 : 1 + st.num_lhs_refs]
-    w_refs = refs[1 + st.num_lhs_refs : -2]
-    out_ref = refs[-1]  # aliased to a zero buffer (refs[-2]): rows of no group stay 0
+def _group_major_tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
+    """The "groups" grid's hook (`grouped_matmul.kernel.group_major_call`): the row window
+    `rows` of group g times the program's N tile, float32 `[block_m, block_n]`."""
+    lhs_refs = in_refs[: st.num_lhs_refs]
+    w_refs = in_refs[st.num_lhs_refs :]
+
+    def k_step(kk, acc):
+        k0 = pl.multiple_of(kk * st.block_k, st.block_k)
+        a_even, a_odd = _lhs_planes(lhs_refs, k0, in_tile, st, rows)
+        w_even, w_odd = _weight_planes(w_refs, g, k0, st)
+        acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
+
     bm, bn = st.block_m, st.block_n
-    g = pl.program_id(0)
-    lo = bounds_ref[g]
-    hi = bounds_ref[g + 1]
-
-    def tile_step(t, carry):
-        row0 = lo + t * bm
-        rows = pl.ds(row0, bm)
-        in_group = row0 + jnp.arange(bm, dtype=jnp.int32) < hi
-
-        def k_step(kk, acc):
-            k0 = pl.multiple_of(kk * st.block_k, st.block_k)
-            a_even, a_odd = _lhs_planes(lhs_refs, k0, in_group, st, rows)
-            w_even, w_odd = _weight_planes(w_refs, g, k0, st)
-            acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
-            return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
-
-        acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
-        acc = acc * st.unscale
-        if st.w_fmt.has_global_scale:
-            acc = acc * w_refs[2][g]
-        if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
-            acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_group, other=1.0)[:, None]
-        mask = jnp.broadcast_to(in_group[:, None], (bm, bn))
-        plgpu.store(out_ref.at[rows, :], acc.astype(st.out_dtype), mask=mask)
-        return carry
-
-    jax.lax.fori_loop(0, pl.cdiv(hi - lo, bm), tile_step, 0)
+    acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
+    acc = acc * st.unscale
+    if st.w_fmt.has_global_scale:
+        acc = acc * w_refs[2][g]
+    if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
+        acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_tile, other=1.0)[:, None]
+    return acc
 
 
 def fp4_moe_matmul_pallas(
@@ -385,58 +413,52 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
 
 
 def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
-    """The (G, N / block_n) grid: one program per group and output column tile."""
+    """The "groups" grid: `grouped_matmul.kernel.group_major_call` with the FP4 tile product."""
     m, k = lhs.shape
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
     lhs_fmt = lhs_format(lhs)
     st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype)
-    # block_m rows of padding: a row tile starting near M stays inside the arrays (interpret
-    # mode clamps out-of-range windows instead of masking them).
-    mp = m + bm
+    mp = padded_rows(m, bm)
 
     def whole(*shape):
-        return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+        return pl.BlockSpec(shape, lambda j, gi: (0,) * len(shape))
 
-    def rows_padded(a):
-        return jnp.pad(a, ((0, mp - m),) + ((0, 0),) * (a.ndim - 1))
-
-    def even_odd(a):  # [M, K] -> its even and odd columns, [Mp, K / 2] each (zero padded)
+    def even_odd(a):  # [M, K] -> its even and odd columns, [Mp, K / 2] each
         pairs = a.reshape(m, k // 2, 2)
-        return [rows_padded(pairs[..., 0]), rows_padded(pairs[..., 1])]
+        return [pad_rows(pairs[..., 0], mp), pad_rows(pairs[..., 1], mp)]
 
-    bounds, _, _ = tile_group_ranges(group_sizes, m, bm)
-    operands, in_specs = [bounds], [whole(g + 1)]
     if lhs_fmt is None:
-        operands += even_odd(lhs)
-        in_specs += [whole(mp, k // 2)] * 2
+        operands = even_odd(lhs)
+        in_specs = [whole(mp, k // 2)] * 2
     else:
-        operands += [*even_odd(lhs.codes), rows_padded(scale_bits(lhs.scales))]
-        in_specs += [whole(mp, k // 2)] * 2 + [whole(mp, k // lhs_fmt.block_size)]
+        operands = [*even_odd(lhs.codes), pad_rows(scale_bits(lhs.scales), mp)]
+        in_specs = [whole(mp, k // 2)] * 2 + [whole(mp, k // lhs_fmt.block_size)]
         if lhs_fmt.has_global_scale:
             gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
-            operands.append(rows_padded(gs))
+            operands.append(pad_rows(gs, mp))
             in_specs.append(whole(mp))
     operands += [rhs.codes, scale_bits(rhs.scales)]
     in_specs += [
-        pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
-        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda i, j: (0, j, 0)),
+        pl.BlockSpec((g, bn, k // 2), lambda j, gi: (0, j, 0)),
+        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda j, gi: (0, j, 0)),
     ]
     if rhs.fmt.has_global_scale:
         operands.append(rhs.global_scale.reshape(g))
         in_specs.append(whole(g))
-    column_panel = pl.BlockSpec((mp, bn), lambda i, j: (0, j))
-    operands.append(jnp.zeros((mp, n), out_dtype))
-    in_specs.append(column_panel)
-    out = pl.pallas_call(
-        functools.partial(_group_major_kernel, st=st),
-        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        grid=(g, n // bn),
-        in_specs=in_specs,
-        out_specs=column_panel,
-        input_output_aliases={len(operands) - 1: 0},
-        compiler_params=triton_params(config.num_warps, config.num_stages),
+    out = group_major_call(
+        functools.partial(_group_major_tile_product, st=st),
+        operands,
+        in_specs,
+        group_sizes,
+        rows_total=mp,
+        n=n,
+        block_m=bm,
+        block_n=bn,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        out_dtype=out_dtype,
         interpret=interpret,
         name="fp4_moe_matmul_group_major",
-    )(*operands)
+    )
     return out[:m]

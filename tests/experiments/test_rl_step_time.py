@@ -1,4 +1,5 @@
-"""The step-time entry point: the report written and drawn, the redraw, GPU worker checks."""
+"""The step-time entry point: the report written and drawn, the redraw, GPU worker checks, and
+the smoke config run for real."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import matplotlib.axes
 import numpy as np
 import pytest
 
+from configs import rl_step_time as rl_step_time_config
 from experiments import rl_step_time
 from tests import tiny
 from tests.tables.support import fake_loop
+from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.tables import step_time
-from trace_jax.tables.step_time import StepTimeConfig
+from trace_jax.tables.step_time import PHASES, StepTimeConfig
 
 
 def test_report_written(tmp_path, monkeypatch):
@@ -28,6 +31,7 @@ def test_report_written(tmp_path, monkeypatch):
     assert [r["method"] for r in rows] == ["trace", "fp4_qat"]
     assert rows[0]["time_step_s"] == pytest.approx(0.6) and rows[1]["step_vs_reference"] == 1.0
     assert "TRACE vs plain FP4" in (tmp_path / "st.md").read_text()
+    assert "| trace | xla |" in (tmp_path / "st.md").read_text()  # the rollout's kernels
     assert "peak_memory_gib" not in (tmp_path / "st.md").read_text()
     assert (tmp_path / "st.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="need 2 --gpus"):
@@ -67,3 +71,28 @@ def test_plot_stacks_each_methods_phases(tmp_path, monkeypatch):
     (tmp_path / "other.json").write_text(json.dumps({"rows": [{"policy": "x"}]}))
     with pytest.raises(ValueError, match=r"not a result written by experiments\.rl_step_time"):
         rl_step_time.plot_from(str(tmp_path / "other.json"))
+
+
+# Its RL steps are the quickstart smoke run's (`configs/rl_step_time.py`): on that run's xdist
+# worker they are compiled already.
+@pytest.mark.xdist_group("quickstart_smoke_run")
+def test_smoke_config_times_both_methods_for_real(tmp_path):
+    cd = rl_step_time_config.get_config("smoke")
+    config = ExperimentConfig.from_config_dict(cd)
+    timing = from_section(StepTimeConfig, cd.step_time)
+    rows = rl_step_time.run(
+        config, timing, workdir=str(tmp_path / "w"), outdir=str(tmp_path), name="st"
+    )
+    assert [r["method"] for r in rows] == ["trace", "fp4_qat"]
+    for r in rows:
+        assert r["rollout_implementation"] == "xla"  # "auto" on the CPU
+        assert r["steps_timed"] == timing.steps - timing.skip == 1
+        assert all(r[k] > 0 for k in ("time_rollout_s", "time_train_s"))
+        assert r["time_step_s"] == pytest.approx(sum(r[k] for k in PHASES))
+    trace, qat = rows
+    # TRACE's guidance goes through the store; the plain FP4 rollout has none to pass.
+    assert trace["time_guidance_read_s"] > 0 and qat["time_guidance_read_s"] == 0
+    assert qat["step_vs_reference"] == 1.0
+    written = json.loads((tmp_path / "st.json").read_text())["rows"]
+    assert [w["rollout_implementation"] for w in written] == ["xla", "xla"]
+    assert (tmp_path / "st.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,70 +1,257 @@
-"""The decode-throughput benchmark: full-length rollouts per variant, tokens/s from their time."""
+"""The rollout-throughput benchmark: rows of variants timed from whole rollouts, each decode step
+against the bytes it must read, failures recorded, results merged across commands."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 
+import jax
+import jax.numpy as jnp
 import matplotlib.axes
 import pytest
+from flax import nnx
 
-from configs import decode_throughput as config_module
-from experiments import decode_throughput
+from configs import rollout_throughput as config_module
+from experiments import harness, rollout_throughput
+from trace_jax.fp4 import GuidanceMode
+from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.quant import SiteMode
+
+OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 192.02GiB."
 
 
-def smoke_config(**overrides):
+def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypatch):
     config = config_module.get_config("smoke")
-    config.lengths, config.variants = (4,), ("bf16", "fp4 xla")
-    config.update(overrides)
-    return config
+    # One row and three variants keep the CPU compiles few (each rollout compiles twice; the
+    # capture settings, merging and plotting are tested below without compiling).
+    config.rows, config.variants = config.rows[:1], ("bf16", "fp4", "fp4 + full")
+    compile_rollout = rollout_throughput.RolloutBench.compile
+
+    def compile_or_fail(self, variant, *args):
+        if variant == "fp4 + full":  # as the XLA autotuner fails on a GPU
+            raise RuntimeError(f"{OOM}\n(traceback lines)")
+        return compile_rollout(self, variant, *args)
+
+    monkeypatch.setattr(rollout_throughput.RolloutBench, "compile", compile_or_fail)
+    records = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
+
+    assert [rollout_throughput.row_key(r) for r in records] == [(2, 8, 3)]
+    (row,) = records
+    v = row["variants"]
+    assert list(v) == ["bf16", "fp4", "fp4 + full"]
+    assert v["fp4 + full"] == {"error": f"RuntimeError: {OOM}", "run": 0}
+    for name in ("bf16", "fp4"):
+        e = v[name]
+        assert e["tokens_per_s"] == pytest.approx(2 * 3 / e["rollout_s"])
+        assert e["prefill_ms"] == pytest.approx(1e3 * e["prefill_s_by_round"][0])
+        slope = (e["rollout_s_by_round"][0] - e["prefill_s_by_round"][0]) / 2
+        assert e["decode_ms_per_step"] == pytest.approx(1e3 * slope)
+        limit = 1e3 * e["decode_bytes_per_step"]["total"] / (1e9 * e["read_bw_GBps"])
+        assert e["byte_limit_ms"] == pytest.approx(limit)
+        assert e["byte_limit_ratio"] == pytest.approx(e["decode_ms_per_step"] / limit)
+        assert e["compile_s"] > 0 and e["run"] == 0
+    s = {name: v[name]["rollout_s"] for name in ("bf16", "fp4")}
+    assert row["fp4_speedup_vs_bf16"] == pytest.approx(s["bf16"] / s["fp4"])
+    assert v["fp4"]["speedup_vs_bf16"] == row["fp4_speedup_vs_bf16"]
+    assert row["compact_capture_overhead"] is None and row["full_capture_overhead"] is None
+    assert row["fp4_byte_limit_ratio"] == v["fp4"]["byte_limit_ratio"]
+    # the packed experts and cache are what make the FP4 step's byte limit smaller
+    assert v["fp4"]["byte_limit_ms"] < v["bf16"]["byte_limit_ms"]
+
+    saved = json.loads((tmp_path / "rt.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(records))
+    assert saved["device"] == saved["meta"]["device"] and len(saved["runs"]) == 1
+    assert saved["bf16_byte_limit_ratio"] == row["bf16_byte_limit_ratio"]  # batch 2 >= smoke's 2
+    assert saved["fp4_byte_limit_ratio"] == row["fp4_byte_limit_ratio"]
+    assert saved["compact_capture_overhead"] is None  # no compact variant ran
+    md = (tmp_path / "rt.md").read_text()
+    assert "SMOKE RUN" in md and OOM in md
+    assert (tmp_path / "rt.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_quick_run_writes_rows(tmp_path):
-    rows = decode_throughput.run(smoke_config(), outdir=str(tmp_path), name="dt")
-    assert [(r["output_length"], r["variant"]) for r in rows] == [(4, "bf16"), (4, "fp4 xla")]
-    for r in rows:
-        assert r["tokens_per_s"] == pytest.approx(2 * r["output_length"] / r["seconds"])
-        assert r["speedup_vs_bf16"] > 0
-    assert [r["speedup_vs_bf16"] for r in rows if r["variant"] == "bf16"] == [1.0]
-    saved = json.loads((tmp_path / "dt.json").read_text())
-    assert saved["rows"] == json.loads(json.dumps(rows)) and "device" in saved["meta"]
-    assert "SMOKE RUN" in (tmp_path / "dt.md").read_text()
-    assert (tmp_path / "dt.png").read_bytes()[:4] == b"\x89PNG"
+def test_decode_step_bytes_count_dense_weights_touched_experts_and_the_cache():
+    cfg = ModelConfig.tiny(n_layers=2, head_dim=32, param_dtype=jnp.bfloat16)
+    graphdef, params = nnx.split(abstract_model(cfg))  # shapes only
+    d, h, kv, dh, e, f, v = 64, 4, 2, 32, 8, 64, 64
+    attention = d * h * dh * 2 + d * kv * dh * 2 + 2 * dh + 2 * d  # q, o, k, v, q/k/block norms
+    dense = 2 * (attention + d * e) + d + d * v  # + routers; final norm, LM head
+    batch, context = 3, 10
+    active = e * (1 - (1 - 2 / e) ** batch)
+    bf16 = rollout_throughput.decode_step_bytes(graphdef, params, "bf16", "nvfp4", batch, context)
+    assert bf16["dense"] == 2 * dense and bf16["embedding"] == 2 * batch * d
+    assert bf16["active_experts"] == pytest.approx(active)
+    assert bf16["experts"] == pytest.approx(2 * active * 3 * f * d * 2)  # 2 layers, bf16
+    assert bf16["kv"] == 2 * 2 * batch * context * kv * dh * 2  # layers, k and v, bf16
+    fp4 = rollout_throughput.decode_step_bytes(graphdef, params, "fp4", "nvfp4", batch, context)
+    # NVFP4: 4-bit codes + one e4m3 scale per 16 values + a float32 global scale per expert
+    # matrix (weights) or per cached head vector (cache)
+    assert fp4["experts"] == pytest.approx(2 * active * 3 * (f * d // 2 + f * d // 16 + 4))
+    assert fp4["kv"] == 2 * 2 * batch * context * kv * (dh // 2 + dh // 16 + 4)
+    assert fp4["dense"] == bf16["dense"]  # attention and the LM head stay bf16
+    for r in (bf16, fp4):
+        total = r["dense"] + r["embedding"] + r["experts"] + r["kv"]
+        assert r["total"] == pytest.approx(total)
+    # "fp4 xla" fake-quantizes bf16 expert weights each step: it reads them unpacked
+    xla = rollout_throughput.decode_step_bytes(graphdef, params, "fp4 xla", "nvfp4", batch, context)
+    assert xla["experts"] == bf16["experts"] and xla["kv"] == fp4["kv"]
 
 
-def test_plot_draws_the_latest_run_of_each_point(tmp_path, monkeypatch):
-    def row(length, variant, tps, ratio, run):
-        return {"output_length": length, "variant": variant, "tokens_per_s": tps,
-                "speedup_vs_bf16": ratio, "measured_by": run}  # fmt: skip
+def test_expected_active_experts_is_the_mean_union_of_random_top_k_choices():
+    e, k, b = 5, 2, 3
+    choices = list(itertools.combinations(range(e), k))
+    union = [len(set().union(*c)) for c in itertools.product(choices, repeat=b)]
+    expected = rollout_throughput.expected_active_experts(e, k, b)
+    assert expected == pytest.approx(statistics.mean(union))
+    assert rollout_throughput.expected_active_experts(128, 8, 1) == pytest.approx(8)
 
-    rows = [
-        row(1024, "bf16", 100.0, 1.0, "A"),
-        row(1024, "fp4", 70.0, 0.7, "A"),
-        row(8192, "bf16", 90.0, 1.0, "A"),
-        row(8192, "fp4", 60.0, 0.66, "A"),
-        row(8192, "bf16", 80.0, 1.0, "B"),  # a later run of the same points wins
-        row(8192, "fp4", 72.0, 0.9, "B"),
+
+def test_variants_set_the_rollouts_quantization_capture_and_kernels():
+    cfg = ModelConfig.tiny(n_layers=2)
+
+    def kwargs(variant):
+        return rollout_throughput.rollout_kwargs(cfg, variant, 5, "nvfp4", None)
+
+    bf16, fp4, compact, full, xla = map(
+        kwargs, ["bf16", "fp4", "fp4 + compact", "fp4 + full", "fp4 xla"]
+    )
+    assert (bf16["mode"], bf16["capture"]) == (SiteMode.OFF, ())
+    assert (fp4["mode"], fp4["capture"], fp4["implementation"]) == (SiteMode.RTN, (), "pallas")
+    assert compact["capture"] == ("1/expert_in", "1/expert_mid", "1/k", "1/v")  # deeper half
+    assert compact["capture_mode"] is GuidanceMode.COMPACT
+    assert full["capture"] == fp4["qcfg"].all_keys(2) and full["capture_mode"] is GuidanceMode.FULL
+    assert (xla["mode"], xla["implementation"]) == (SiteMode.RTN, "xla")
+    assert fp4["sampling"].max_new_tokens == 5 and fp4["sampling"].stop_tokens == ()
+    chunked = rollout_throughput.rollout_kwargs(cfg, "fp4", 5, "nvfp4", 16)
+    assert chunked["sampling"].prefill_chunk_tokens == 16
+
+
+def entry(seconds_by_round, run, tokens=1.0):
+    return {
+        "rollout_s": statistics.median(seconds_by_round),
+        "rollout_s_by_round": seconds_by_round,
+        "tokens_per_s": tokens,
+        "byte_limit_ratio": 2.0,
+        "run": run,
+    }
+
+
+def record(batch, prompt_len, new_tokens, variants):
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "variants": variants,
+    }
+
+
+def test_merge_replaces_entries_by_row_and_variant_and_pairs_rounds_of_one_command():
+    old = [
+        record(64, 1024, 256, {"bf16": entry([2.0, 4.0, 9.0], 0), "fp4": entry([1.0, 1.0, 3.0], 0)})
     ]
-    (tmp_path / "dt.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    merged = rollout_throughput.merge_rows(old, [])
+    # one command: the median of same-round ratios (2, 4, 3), not the ratio of medians 4 / 1
+    assert merged[0]["fp4_speedup_vs_bf16"] == 3.0
+    assert merged[0]["variants"]["fp4"]["speedup_vs_bf16"] == 3.0
+    new = [
+        record(
+            64,
+            1024,
+            256,
+            {"fp4": entry([1.0, 2.0, 4.0], 1), "fp4 + compact": entry([1.1, 2.0, 4.04], 1)},
+        ),
+        record(16, 1024, 256, {"bf16": {"error": "RuntimeError: x", "run": 1}}),
+    ]
+    merged = rollout_throughput.merge_rows(old, new)
+    assert [rollout_throughput.row_key(r) for r in merged] == [(64, 1024, 256), (16, 1024, 256)]
+    first = merged[0]
+    assert list(first["variants"]) == ["bf16", "fp4", "fp4 + compact"]
+    assert first["variants"]["fp4"]["run"] == 1  # the newer command's entry wins
+    assert first["fp4_speedup_vs_bf16"] == 4.0 / 2.0  # two commands: the ratio of medians
+    # one command: same-round ratios 1.1, 1.0, 1.01 (the ratio of medians would give 0)
+    assert first["compact_capture_overhead"] == pytest.approx(0.01)
+    assert first["full_capture_overhead"] is None
+    assert merged[1]["fp4_speedup_vs_bf16"] is None and merged[1]["bf16_byte_limit_ratio"] is None
+    assert "speedup_vs_bf16" not in old[0]["variants"]["fp4"]  # the inputs are left as they were
+    summary = rollout_throughput.summarize(merged, min_batch=64)
+    assert summary["fp4_speedup_vs_bf16_worst"] == 2.0
+    assert summary["fp4_byte_limit_ratio"] == 2.0 and summary["summary_min_batch"] == 64
+    assert rollout_throughput.summarize(merged, min_batch=128)["bf16_byte_limit_ratio"] is None
+
+
+def test_merge_run_adds_its_rows_and_command_to_an_existing_result(tmp_path, monkeypatch):
+    measured = []
+
+    class FakeBench:  # the model and its rollouts are the smoke test's; here: the bookkeeping
+        def __init__(self, config, read_bw):
+            self.cfg = ModelConfig.tiny(n_layers=1)
+
+        def measure(self, row, run):
+            measured.append((row, run))
+            return record(*row, {"bf16": entry([1.0], run), "fp4": entry([0.5], run)})
+
+    monkeypatch.setattr(rollout_throughput, "RolloutBench", FakeBench)
+    config = config_module.get_config("smoke")
+    config.variants = ("bf16", "fp4")
+    rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
+    config.rows, config.merge = ((4, 8, 3), (8, 8, 3)), True
+    records = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
+    assert measured == [((2, 8, 3), 0), ((4, 8, 3), 0), ((4, 8, 3), 1), ((8, 8, 3), 1)]
+    saved = json.loads((tmp_path / "rt.json").read_text())
+    assert saved["rows"] == records and len(saved["runs"]) == 2
+    keys = [(rollout_throughput.row_key(r), r["variants"]["fp4"]["run"]) for r in records]
+    assert keys == [((2, 8, 3), 0), ((4, 8, 3), 1), ((8, 8, 3), 1)]
+    assert all(r["fp4_speedup_vs_bf16"] == 2.0 for r in records)
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"variant": "bf16"}]}))
+    with pytest.raises(ValueError, match=r"not a result written by experiments\.rollout_"):
+        rollout_throughput.run(config, outdir=str(tmp_path), name="other")
+
+
+def test_plot_draws_tokens_per_s_against_batch_and_context(tmp_path, monkeypatch):
+    records = [
+        record(64, 1024, 256, {"bf16": entry([1.0], 0, 100.0), "fp4": entry([1.0], 0, 300.0)}),
+        record(256, 1024, 256, {"bf16": entry([1.0], 0, 200.0), "fp4": {"error": "x", "run": 0}}),
+        record(64, 8192, 256, {"bf16": entry([1.0], 0, 50.0), "fp4": entry([1.0], 0, 150.0)}),
+        record(16, 1024, 1024, {"bf16": entry([1.0], 0, 70.0)}),  # on neither line
+    ]
+    (tmp_path / "rt.json").write_text(json.dumps({"meta": {}, "rows": records}))
     lines = []
     plot = matplotlib.axes.Axes.plot
 
-    def record(self, x, y, **kw):
+    def draw(self, x, y, **kw):
         lines.append((kw["label"], list(x), list(y)))
         return plot(self, x, y, **kw)
 
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
-    png = decode_throughput.plot_from(str(tmp_path / "dt.json"))
-    assert png == str(tmp_path / "dt.png") and (tmp_path / "dt.png").exists()
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", draw)
+    png = rollout_throughput.plot_from(str(tmp_path / "rt.json"))
+    assert png == str(tmp_path / "rt.png") and (tmp_path / "rt.png").exists()
     assert lines == [
-        ("bf16", [1024, 8192], [100.0, 80.0]),  # tokens/s
-        ("fp4", [1024, 8192], [70.0, 72.0]),
-        ("fp4", [1024, 8192], [0.7, 0.9]),  # ratio to bf16; bf16's own (1.0) is not drawn
+        ("bf16", [64, 256], [100.0, 200.0]),  # against batch at prompt 1024, 256 new tokens
+        ("bf16", [1280, 8448], [100.0, 50.0]),  # against context at batch 64
+        ("fp4", [64], [300.0]),  # its batch-256 rollout failed
+        ("fp4", [1280, 8448], [300.0, 150.0]),
     ]
-    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"variant": "bf16"}]}))
-    with pytest.raises(ValueError, match=r"not a result written by experiments\.decode_throughput"):
-        decode_throughput.plot_from(str(tmp_path / "other.json"))
 
 
-def test_unknown_variant():
-    with pytest.raises(ValueError, match="unknown variants"):
-        decode_throughput.run(smoke_config(variants=("fp8",)), outdir="/tmp", name="x")
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"variants": ("bf16", "fp8")}, "unknown variants"),
+        ({"rows": ((2, 8, 1),)}, r"row \(2, 8, 1\) is not"),
+        ({"rows": ((2, 8, 3), (2, 8, 3))}, "repeat a row"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(override, message, tmp_path):
+    config = config_module.get_config("smoke")
+    config.update(override)
+    with pytest.raises(ValueError, match=message):
+        rollout_throughput.run(config, outdir=str(tmp_path), name="x")
+    assert not list(tmp_path.iterdir())
+
+
+def test_harness_times_compiled_calls_as_they_are():
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+    rounds = harness.time_interleaved({"c": (compiled, (jnp.ones(3),))}, rounds=2, warmup=0)
+    assert len(rounds["c"]) == 2 and all(t > 0 for t in rounds["c"])

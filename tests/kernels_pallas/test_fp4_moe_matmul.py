@@ -31,6 +31,7 @@ from kernels_pallas.fp4_moe_matmul import (
     MoEImplementation,
     PackedFP4Weights,
     api,
+    default_block_config,
     dequantize_lhs,
     dequantize_weights,
     fp4_moe_matmul,
@@ -145,8 +146,19 @@ class TestXla(_Cases):
 
 
 class TestPallasInterpret(_Cases):
+    """The row-tile grid."""
+
     implementation = "pallas"
-    tiling: ClassVar[dict] = dict(block_m=16, block_n=16, block_k=32, interpret=True)
+    tiling: ClassVar[dict] = dict(
+        block_m=16, block_n=16, block_k=32, grid="row_tiles", interpret=True
+    )
+
+    def test_fewer_rows_than_a_tile(self):
+        """M = 10 < block_m = 16, one row past the groups."""
+        lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4, m=10, seed=3)
+        gs = jnp.asarray((3, 0, 2, 4), jnp.int32)
+        out = self.op(lhs, rhs, gs, out_dtype=jnp.float32)
+        assert_matches_reference(out, lhs, rhs, gs, exact=False)
 
     def test_default_tiles(self):
         """Default tiles (group-major grid, row tiles of the mean group size, block_k = K)."""
@@ -235,6 +247,22 @@ def test_tile_group_ranges_brute_force():
             visited = set(range(first[i], end[i]))
             assert touching <= visited
             assert all(sizes[g] == 0 for g in visited - touching)  # only empty extras
+
+
+def test_default_block_config_by_phase():
+    """Row tiles follow the group sizes; decode takes long K steps, prefill 128-deep ones;
+    quantized activations take wider N tiles; explicit values stand, missing ones are filled in."""
+    decode = default_block_config(512, 128, 2048, 768)
+    assert (decode.block_m, decode.block_n, decode.block_k, decode.grid) == (16, 64, 256, "groups")
+    assert default_block_config(512, 128, 2048, 768, lhs_fmt=fp4.NVFP4).block_n == 128
+    prefill = default_block_config(65536, 128, 2048, 768)
+    assert (prefill.block_m, prefill.block_n, prefill.block_k) == (256, 128, 128)
+    prefill = default_block_config(65536, 128, 2048, 768, lhs_fmt=fp4.NVFP4)
+    assert (prefill.block_m, prefill.block_n, prefill.block_k) == (128, 256, 128)
+    assert default_block_config(64, 4, 32, 16).block_k == 32  # shrunk to K, two 16-deep planes
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.MXFP8)
+    config = api.block_config(lhs, rhs, num_warps=8, block_n=16)
+    assert (config.block_m, config.block_n, config.block_k, config.num_warps) == (16, 16, 64, 8)
 
 
 def test_default_is_the_reference_off_gpu():

@@ -15,11 +15,13 @@ from trace_jax.models import (
     cache_write,
     decode_step,
     decode_step_jit,
+    forward_cached,
     init_cache,
     init_model,
     prefill,
     prefill_jit,
 )
+from trace_jax.models.attention import attend, cache_mask
 
 CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.1)
 LENGTHS = np.array([7, 3, 5])  # prompt lengths, right-padded to 7
@@ -154,6 +156,8 @@ def test_cache_errors(model, seqs):
         prefill(model, cache, seqs[:2, :3], jnp.array([3, 3]))
     with pytest.raises(ValueError, match=r"\[B\]"):
         decode_step(model, cache, seqs[:, :1])
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\]=\(3, 2\)"):
+        forward_cached(model, cache, seqs[:, :2], jnp.zeros((3, 3), jnp.int32))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -169,3 +173,33 @@ def test_packed_cache_write_stores_the_quantizers_codes(implementation):
         want = PackedTensorCache.empty(got.shape, fp4.NVFP4).write(fp4.quantize(x, "nvfp4"), slots)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_attention_in_query_blocks_equals_one_block():
+    """Queries in blocks of 3 (the last one padded) over a cache mask with padded rows: each
+    query's output equals the all-at-once attention's to float32 rounding (they may sum in
+    another order), so no block sees another block's mask rows or keys."""
+    b, t, s, n, g, c = 2, 8, 11, 2, 2, 16
+    q, k, v = (
+        jax.random.normal(key, shape)
+        for key, shape in zip(
+            jax.random.split(jax.random.key(5), 3),
+            [(b, t, n, g, c), (b, s, n, c), (b, s, n, c)],
+            strict=True,
+        )
+    )
+    positions = jnp.array([[0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10]])
+    mask = cache_mask(positions, jnp.array([6, 11]), s)  # row 0: queries 6, 7 are padding
+    whole = attend(q, k, v, mask)
+    blocked = attend(q, k, v, mask, query_block=3)
+    assert blocked.shape == whole.shape == (b, t, n, g, c)
+    # Each output is a convex combination of values: within a few ulps of max |v|.
+    np.testing.assert_allclose(blocked, whole, rtol=0, atol=8 * 2.0**-24 * float(jnp.abs(v).max()))
+    # The reference: softmax over each query's keys, in float64 numpy.
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("btngc,bsnc->bngts", q64, k64) / np.sqrt(c)
+    scores = np.where(np.asarray(mask)[:, None, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bngts,bsnc->btngc", probs, v64)
+    np.testing.assert_allclose(np.asarray(blocked), want, rtol=0, atol=1e-5)

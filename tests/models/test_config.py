@@ -1,4 +1,5 @@
-"""ModelConfig: validation, presets, Hugging Face config mapping, shape-only parameter counts."""
+"""ModelConfig: validation, presets, Hugging Face config mapping, shape-only parameter counts;
+the forward call's kernel choice (the rollout's "auto" setting, the expert matmul's order)."""
 
 import dataclasses
 
@@ -7,7 +8,17 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from trace_jax.models import ModelConfig, abstract_model, active_param_count, param_count
+from kernels_pallas import common
+from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
+from trace_jax.models import (
+    ModelConfig,
+    abstract_model,
+    active_param_count,
+    expert_kernel_order,
+    kernel_order,
+    param_count,
+    resolve_implementation,
+)
 
 # Qwen3-30B-A3B config.json (the fields that matter), as published by Qwen.
 QWEN3_30B_A3B_HF = {
@@ -126,3 +137,31 @@ def test_from_hf_config_errors():
     hf = dict(QWEN3_30B_A3B_HF, num_experts_per_tok=200)
     with pytest.raises(ValueError, match="top_k=200"):
         ModelConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize(("gpu", "want"), [(False, "xla"), (True, "pallas")])
+def test_auto_implementation_is_pallas_on_a_gpu_only(monkeypatch, gpu, want):
+    monkeypatch.setattr(common, "on_gpu", lambda: gpu)
+    assert resolve_implementation("auto") == want
+    assert resolve_implementation("xla") == "xla" and resolve_implementation("pallas") == "pallas"
+    with pytest.raises(ValueError, match=r"one of \['auto', 'pallas', 'xla'\], got 'cuda'"):
+        resolve_implementation("cuda")
+
+
+@pytest.mark.parametrize(
+    ("capability", "pallas_order"),
+    [
+        (0.0, ("pallas", "xla")),  # the CPU (interpret mode)
+        (9.0, ("pallas", "xla")),  # Hopper: no FP4 tensor cores
+        (10.0, ("scaled_matmul", "pallas", "xla")),  # Blackwell: cuDNN's block-scaled matmul
+    ],
+)
+def test_expert_matmul_leads_with_native_fp4_where_the_gpu_has_it(
+    monkeypatch, capability, pallas_order
+):
+    """The fp4_moe_matmul api's own compute capability decides; the other kernel ops keep
+    `kernel_order`, and the XLA implementation stays XLA alone."""
+    monkeypatch.setattr(fp4_moe_matmul_api, "_compute_capability", lambda: capability)
+    assert expert_kernel_order("pallas") == pallas_order
+    assert expert_kernel_order("xla") == ("xla",)
+    assert kernel_order("pallas") == ("pallas", "xla")

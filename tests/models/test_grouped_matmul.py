@@ -1,6 +1,8 @@
 """The tiled grouped matmul against `jax.lax.ragged_dot` and a float64 numpy reference: values
-and gradients, ragged groups with empty ones, rows past the groups, bad shapes; and the model
-with `grouped_matmul="tiled"` against the default."""
+and gradients, ragged groups with empty ones, rows past the groups, bad shapes; the Pallas choice
+(interpret mode): the routed experts' forward against `ragged_dot`, gradients equal to the tiled
+form's; `auto` on a faked GPU and CPU; and the model with `grouped_matmul="tiled"` against the
+default."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from tests.models.rounding import U32, assert_logits_agree, routing_decided
-from trace_jax.models import ModelConfig, init_model
+from kernels_pallas import common
+from tests.models.rounding import U32, assert_logits_agree, experts_bound, routing_decided
+from trace_jax.models import ModelConfig, MoE, init_model, route
+from trace_jax.models import grouped_matmul as gm
 from trace_jax.models.grouped_matmul import default_tile, grouped_dot, tiled_ragged_dot
+from trace_jax.models.moe import experts_grouped
 
 
 def _numpy_ragged(lhs, rhs, sizes):
@@ -93,13 +99,13 @@ def test_bad_shapes_and_default_tile():
         grouped_dot(jnp.zeros((4, 3)), jnp.zeros((2, 3, 2)), jnp.zeros((2,), jnp.int32), "dense")
 
 
-def test_auto_tiles_only_many_rows_per_group(monkeypatch):
-    from trace_jax.models import grouped_matmul as gm
-
+def test_auto_tiles_only_many_rows_per_group_off_gpu(monkeypatch):
+    monkeypatch.setattr(common, "on_gpu", lambda: False)
     assert gm.resolve("auto", 128 * 32, 32) is gm.GroupedMatmul.TILED  # training / prefill
     assert gm.resolve("auto", 128 * 32 - 1, 32) is gm.GroupedMatmul.RAGGED_DOT  # decode
     assert gm.resolve("tiled", 4, 32) is gm.GroupedMatmul.TILED  # explicit choices stand
     assert gm.resolve("ragged_dot", 10**6, 2) is gm.GroupedMatmul.RAGGED_DOT
+    assert gm.resolve("pallas", 10**6, 2) is gm.GroupedMatmul.PALLAS
     # grouped_dot follows the resolution: each path is taken where resolve says.
     calls = []
     monkeypatch.setattr(gm, "tiled_ragged_dot", lambda *a, **k: calls.append("tiled") or a[0])
@@ -108,6 +114,59 @@ def test_auto_tiles_only_many_rows_per_group(monkeypatch):
     gm.grouped_dot(jnp.ones((256, 4)), jnp.ones((2, 4, 4)), sizes, "auto")
     gm.grouped_dot(jnp.ones((255, 4)), jnp.ones((2, 4, 4)), sizes, "auto")
     assert calls == ["tiled", "ragged"]
+
+
+def test_auto_is_pallas_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    for m in (8, 128 * 32, 10**6):  # decode, prefill and training shapes alike
+        assert gm.resolve("auto", m, 32) is gm.GroupedMatmul.PALLAS
+    assert gm.resolve("tiled", 10**6, 32) is gm.GroupedMatmul.TILED  # explicit choices stand
+    assert gm.resolve("ragged_dot", 8, 32) is gm.GroupedMatmul.RAGGED_DOT
+
+
+def test_experts_with_pallas_match_ragged_dot(monkeypatch):
+    """The routed experts with the Pallas kernel (interpret mode) for all three projections
+    against `ragged_dot`: each within its float32 rounding bound of exact math."""
+    cfg = ModelConfig.tiny(dtype=jnp.float32, init_std=0.1)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model), jnp.float32)
+    logits = jax.random.normal(jax.random.key(2), (2, 5, cfg.n_experts), jnp.float32)
+    routing = route(logits, top_k=cfg.top_k, norm_topk_prob=True)
+    weights = [moe.w_gate[...], moe.w_up[...], moe.w_down[...]]
+    kernel_calls = []
+    kernel = gm.grouped_matmul
+    monkeypatch.setattr(
+        gm, "grouped_matmul", lambda *a, **k: kernel_calls.append(k) or kernel(*a, **k)
+    )
+    y_pallas = experts_grouped(x, *weights, routing, layer=0, matmul="pallas")
+    assert len(kernel_calls) == 3  # gate, up, down
+    y_ref = experts_grouped(x, *weights, routing, layer=0, matmul="ragged_dot")
+    _, bound = experts_bound(moe, x, routing)
+    err = np.abs(np.asarray(y_pallas, np.float64) - np.asarray(y_ref, np.float64))
+    assert np.all(err <= 2 * bound + U32 * np.abs(np.asarray(y_ref))), err.max()
+
+
+def test_pallas_gradients_are_the_tiled_forms():
+    """`pallas`: forward by the kernel, backward by `tiled_ragged_dot`'s VJP, exactly."""
+    rng = np.random.default_rng(2)
+    sizes = jnp.asarray((4, 0, 6, 5), jnp.int32)  # an empty group; rows 15..17 in none
+    lhs = jnp.asarray(rng.normal(size=(18, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(4, 32, 16)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(18, 16)), jnp.float32)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(fn(a, b) * cot), argnums=(0, 1)))(lhs, rhs)
+
+    got = grads(lambda a, b: grouped_dot(a, b, sizes, "pallas"))
+    want = grads(lambda a, b: tiled_ragged_dot(a, b, sizes))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert float(jnp.abs(got[1][1]).max()) == 0.0 and float(jnp.abs(got[0][15:]).max()) == 0.0
+    # The forward is the kernel's: the float64 product to float32 summation order.
+    out = np.asarray(grouped_dot(lhs, rhs, sizes, "pallas"), np.float64)
+    a, w = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    bound = 32 * U32 * _numpy_ragged(np.abs(a), np.abs(w), np.asarray(sizes))
+    assert np.all(np.abs(out - _numpy_ragged(a, w, np.asarray(sizes))) <= bound)
 
 
 def test_model_with_tiled_grouped_matmul_matches_ragged_dot():

@@ -1,4 +1,5 @@
-"""Router, Switch aux loss and routed experts: grouped (ragged_dot) path vs the dense reference."""
+"""Router, Switch aux loss and routed experts: grouped (ragged_dot) path vs the dense reference;
+which FP4 expert matmul the rollout's MoE call runs."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
+from kernels_pallas.fp4_moe_matmul import fp4_moe_matmul_with_implementation
 from tests.models.rounding import U32, experts_bound
-from trace_jax.models import ModelConfig, MoE, Routing, route, switch_aux_loss
+from trace_jax.models import ModelConfig, MoE, Routing, pack_experts, route, switch_aux_loss
+from trace_jax.models import moe as moe_module
+from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 
 B, T = 2, 5
 
@@ -146,3 +151,43 @@ def test_switch_aux_loss():
     r = Routing(topk_idx=idx, topk_weights=jnp.ones((1, 3, k)), probs=probs)
     valid = jnp.array([[True, True, False]])
     np.testing.assert_allclose(switch_aux_loss(r, valid), n_experts * (0.6 + 0.3), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("capability", "ran"),
+    [
+        (10.0, "scaled_matmul"),  # Blackwell: native block-scaled FP4 first
+        (9.0, "pallas"),  # Hopper (and the CPU: `test_config` checks the order there)
+    ],
+)
+def test_rollout_moe_runs_the_expert_matmul_the_device_calls_for(monkeypatch, capability, ran):
+    """An FP4 rollout's MoE call on packed experts (implementation "pallas"): each of its three
+    expert matmuls runs the implementation `fp4_moe_matmul_with_implementation` reports for the
+    faked compute capability, with the XLA path's output (float32: to summation order); the
+    XLA path never calls the kernel op."""
+    qcfg = QuantConfig.nvfp4()
+    cfg, layer_moe, x = make_moe()
+    monkeypatch.setattr(fp4_moe_matmul_api, "_compute_capability", lambda: capability)
+    calls = []
+
+    def reporting_matmul(lhs, rhs, group_sizes, **kw):
+        out, name = fp4_moe_matmul_with_implementation(lhs, rhs, group_sizes, **kw)
+        calls.append(name)
+        return out
+
+    monkeypatch.setattr(moe_module, "fp4_moe_matmul", reporting_matmul)
+
+    def run(implementation):
+        pallas = implementation == "pallas"
+        packed = {0: pack_experts(layer_moe, qcfg, cfg.dtype)} if pallas else None
+        site = QuantSites(
+            qcfg, cfg.n_layers, SiteMode.RTN, differentiable=False,
+            implementation=implementation, packed_experts=packed,
+        )  # fmt: skip
+        return layer_moe(x, layer=0, site=site)[0]
+
+    y = run("pallas")
+    assert calls == [ran] * 3  # gate, up, down
+    y_ref = run("xla")
+    assert calls == [ran] * 3
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_ref).max()))

@@ -177,6 +177,33 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
             assert (u == v).mean() > 0.98, (k, (u == v).mean())
 
 
+def test_chunked_prefill_rollout_equals_one_piece(model):
+    """`prefill_chunk_tokens` bounds memory, not results: with chunks of whole prompts (2 rows of
+    3: the last chunk overlaps) the rollout is the one-piece rollout bit for bit (tokens,
+    log-probs, expert choices, guidance at every slot); chunks of 4 of the 6 prompt positions
+    sum attention in another order (`tests/rollout/test_prefill.py`): the same greedy tokens and
+    expert choices, log-probs within float32 rounding."""
+    prompts, lengths = _prompts()
+    keys = QCFG.all_keys(CFG32.n_layers)
+    kw = dict(qcfg=QCFG, mode=SiteMode.RTN, capture=keys, capture_mode=fp4.GuidanceMode.FULL)
+
+    def rollout(chunk_tokens):
+        sampling = SamplingConfig(
+            max_new_tokens=6, temperature=0.0, prefill_chunk_tokens=chunk_tokens
+        )
+        with jax.default_matmul_precision("highest"):
+            return _generate(model, prompts, lengths, sampling=sampling, **kw)
+
+    one_piece, rows, positions = rollout(8192), rollout(12), rollout(4)
+    for got, want in zip(jax.tree.leaves(rows), jax.tree.leaves(one_piece), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for field in ("tokens", "lengths", "expert_choices"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(positions, field)), np.asarray(getattr(one_piece, field))
+        )
+    np.testing.assert_allclose(positions.logprobs, one_piece.logprobs, rtol=0, atol=1e-5)
+
+
 def test_temperature_sampling_and_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     np.testing.assert_array_equal(
@@ -279,7 +306,10 @@ def _pallas_and_xla_rollouts(dtype):
     keys = QCFG.all_keys(cfg.n_layers)
     kw = dict(qcfg=QCFG, capture=keys, capture_mode=fp4.GuidanceMode.FULL)
     a = _generate(m, prompts, lengths, implementation="xla", **kw)
-    b = _generate(m, prompts, lengths, implementation="pallas", **kw)
+    # The Pallas rollout prefills in chunks of 2 of the 3 prompts (the kernels inside the chunk
+    # loop, as on a GPU at long prompts); chunks of whole prompts change no result.
+    chunked = SamplingConfig(max_new_tokens=6, temperature=0.0, prefill_chunk_tokens=12)
+    b = _generate(m, prompts, lengths, implementation="pallas", sampling=chunked, **kw)
     prompt = np.arange(a.tokens.shape[1])[None] < np.asarray(lengths)[:, None]
     return a, b, keys, prompt
 

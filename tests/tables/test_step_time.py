@@ -1,10 +1,12 @@
-"""The GRPO step-time report: phase medians over steady steps, shares, ratios, peak memory."""
+"""The GRPO step-time report: phase medians over steady steps, shares, ratios, the rollout's
+kernels, peak memory."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from kernels_pallas import common
 from tests import tiny
 from tests.tables.support import fake_loop
 from trace_jax.rl.experiment import ExperimentConfig
@@ -34,14 +36,18 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
         assert row["steps_timed"] == 5 and row["reward"] == pytest.approx(0.3)
         assert row["time_guidance_read_s"] == pytest.approx(np.median(0.75 * steady[:, 1]))
         assert "peak_memory_gib" not in row  # not recorded (no memory files)
+        assert row["rollout_implementation"] == "xla"  # "auto" on the CPU
     trace, qat = rows
     assert trace["step_vs_reference"] == pytest.approx(trace["time_step_s"] / qat["time_step_s"])
     assert qat["step_vs_reference"] == 1.0
 
 
-def test_peak_memory_recorded_per_method_process(tmp_path, monkeypatch):
+def test_peak_memory_and_kernels_recorded_per_method_process(tmp_path, monkeypatch):
+    """What each --gpus subprocess records: its device's peak memory, and its rollout's kernels
+    as it resolves "auto" there (the Pallas kernels on a GPU)."""
     times = {m: [(1.0, 0.0, 1.0)] * 4 for m in ("bf16", "trace")}
     monkeypatch.setattr(step_time, "RLLoop", fake_loop(times))
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
     peaks = {"bf16": 3 * 2**30, "trace": 5 * 2**29}
 
     class Device:
@@ -57,6 +63,7 @@ def test_peak_memory_recorded_per_method_process(tmp_path, monkeypatch):
         step_time.run_method(config, str(tmp_path), m, 4, record_memory=True)
     rows = step_time.report(str(tmp_path), ["bf16", "trace"], 1, "trace")
     assert [r["peak_memory_gib"] for r in rows] == [3.0, 2.5]
+    assert [r["rollout_implementation"] for r in rows] == ["pallas", "pallas"]
 
 
 def test_step_time_config_checks_its_fields():

@@ -16,11 +16,14 @@ from trace_jax.models.attention import (
     rope_angles,
 )
 from trace_jax.models.config import (
+    IMPLEMENTATION_SETTINGS,
     ModelConfig,
     QuantSite,
     SiteName,
+    expert_kernel_order,
     identity_site,
     kernel_order,
+    resolve_implementation,
     site_implementation,
 )
 from trace_jax.models.moe import (
@@ -42,6 +45,7 @@ from trace_jax.models.qwen3_moe import (
     active_param_count,
     decode_step,
     decode_step_jit,
+    forward_cached,
     forward_jit,
     init_model,
     pack_model_experts,
@@ -51,6 +55,7 @@ from trace_jax.models.qwen3_moe import (
 )
 
 __all__ = [
+    "IMPLEMENTATION_SETTINGS",
     "Attention",
     "DecoderLayer",
     "KVCache",
@@ -72,9 +77,11 @@ __all__ = [
     "cache_write",
     "decode_step",
     "decode_step_jit",
+    "expert_kernel_order",
     "experts_dense",
     "experts_grouped",
     "experts_packed_fp4",
+    "forward_cached",
     "forward_jit",
     "identity_site",
     "init_cache",
@@ -85,6 +92,7 @@ __all__ = [
     "param_count",
     "prefill",
     "prefill_jit",
+    "resolve_implementation",
     "rope_angles",
     "route",
     "site_implementation",

@@ -37,6 +37,11 @@ from trace_jax.models.config import (
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
+# Attention over a cache runs its queries in blocks of at most this many: the float32 scores of
+# one block, [B, H, block, S], instead of [B, H, T, S] (a prefill of 8K-token prompts would hold
+# 8K x 8K scores per head and sequence, 8.6 GB per Qwen3-30B-A3B sequence).
+QUERY_BLOCK = 1024
+
 
 class RMSNorm(nnx.Module):
     """`y = x / sqrt(mean(x^2) + eps) * scale` over the last axis, in float32, output in `dtype`."""
@@ -198,6 +203,49 @@ def cache_mask(q_positions: jax.Array, kv_lengths: jax.Array, max_len: int) -> j
 # ----------------------------------------------------------------------------------- attention
 
 
+def _attend_block(q, k, v, mask, scale):
+    scores = jnp.einsum("btngc,bsnc->bngts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [B, Hkv, G, T, S]
+    return jnp.einsum("bngts,bsnc->btngc", probs, v)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    query_block: int | None = None,
+) -> jax.Array:
+    """Softmax attention of `q [B, T, Hkv, G, Dh]` over `k, v [B, S, Hkv, Dh]` (all in the
+    compute dtype) where `mask [B, T, S]` is set; returns [B, T, Hkv, G, Dh] in q's dtype.
+
+    Scores and softmax are float32, the probabilities are cast to q's dtype for the value product.
+    query_block: None computes all T queries at once; an int runs blocks of that many queries one
+    after another (`jax.lax.map`, the last block padded with fully masked queries), so only one
+    block's scores exist at a time. A query's result does not depend on its block in exact
+    arithmetic; the kernels may sum in another order for another number of queries.
+    """
+    b, t = q.shape[:2]
+    scale = q.shape[-1] ** -0.5
+    if query_block is None or t <= query_block:
+        return _attend_block(q, k, v, mask, scale)
+    n_blocks = -(-t // query_block)
+    pad = n_blocks * query_block - t
+    q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * (q.ndim - 2))
+    mask = jnp.pad(mask, [(0, 0), (0, pad), (0, 0)])
+
+    def blocks(a):  # [B, n_blocks * block, ...] -> [n_blocks, B, block, ...]
+        return jnp.swapaxes(a.reshape(b, n_blocks, query_block, *a.shape[2:]), 0, 1)
+
+    def one_block(qm):
+        return _attend_block(qm[0], k, v, qm[1], scale)
+
+    out = jax.lax.map(one_block, (blocks(q), blocks(mask)))  # [n_blocks, B, block, ...]
+    return jnp.swapaxes(out, 0, 1).reshape(b, n_blocks * query_block, *out.shape[3:])[:, :t]
+
+
 class Attention(nnx.Module):
     """Qwen3 grouped-query attention: q/k projections, per-head RMSNorm, RoPE, softmax, output.
 
@@ -274,12 +322,10 @@ class Attention(nnx.Module):
             k, v = cache_read(cache, dt)
         b, t = q.shape[:2]
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-        scores = jnp.einsum(
-            "btngc,bsnc->bngts", q, k.astype(dt), preferred_element_type=jnp.float32
-        ) * (cfg.head_dim**-0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)  # [B, Hkv, G, T, S]
-        out = jnp.einsum("bngts,bsnc->btngc", probs, v.astype(dt))
+        # Blocks of queries bound a prefill's scores; the trainer's forward (no cache) keeps one
+        # block, since differentiating it saves every block's probabilities anyway.
+        query_block = None if cache is None else QUERY_BLOCK
+        out = attend(q, k.astype(dt), v.astype(dt), mask, query_block=query_block)
         out = out.reshape(b, t, cfg.n_heads, cfg.head_dim)
         y = jnp.einsum("bthc,hcd->btd", out, self.w_o[...].astype(dt))
         return y, cache

@@ -24,7 +24,9 @@ can align per-slot data (the rollout's guidance) with the slots of this forward.
 The site is also the one home of the forward call's kernel choice: its `implementation` ("xla"
 or "pallas", `site_implementation`; `trace_jax.quant.QuantSites` sets it, the rollout passes it,
 the trainer keeps "xla", which is differentiable). With "pallas" the model runs the kernel ops
-(`kernels_pallas`) with `kernel_order`; with "xla" it runs plain XLA.
+(`kernels_pallas`) with `kernel_order` (the routed experts' FP4 matmul with `expert_kernel_order`);
+with "xla" it runs plain XLA. A rollout's setting "auto" becomes one of the two here
+(`resolve_implementation`): the Pallas kernels on a GPU, XLA elsewhere.
 
 Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
 """
@@ -40,7 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import common
 from kernels_pallas.common import Implementation
+from kernels_pallas.fp4_moe_matmul import MoEImplementation
+from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
 
 
 class SiteName(enum.StrEnum):
@@ -85,6 +90,36 @@ def kernel_order(implementation: Implementation) -> tuple[Implementation, ...]:
     if Implementation(implementation) is Implementation.PALLAS:
         return (Implementation.PALLAS, Implementation.XLA)
     return (Implementation.XLA,)
+
+
+def expert_kernel_order(implementation: Implementation) -> tuple[MoEImplementation, ...]:
+    """The `implementation=` the model passes to the routed experts' FP4 matmul
+    (`kernels_pallas.fp4_moe_matmul`): `kernel_order`, led for PALLAS on a GPU that multiplies
+    block-scaled FP4 in hardware (compute capability >= 10: Blackwell) by cuDNN's block-scaled
+    matmul, "scaled_matmul", which steps aside (NotImplementedError) for operand formats cuDNN
+    lacks. That path has not run on such a GPU here (none was available): only its selection
+    and its CPU decomposition are tested."""
+    order = tuple(MoEImplementation(i) for i in kernel_order(implementation))
+    if order[0] is MoEImplementation.PALLAS and fp4_moe_matmul_api.native_block_scaled():
+        return (MoEImplementation.SCALED_MATMUL, *order)
+    return order
+
+
+# What a rollout's `implementation` setting may say (`rl.rollout_implementation`).
+IMPLEMENTATION_SETTINGS = ("auto", *(i.value for i in Implementation))
+
+
+def resolve_implementation(setting: str | Implementation) -> Implementation:
+    """The kernels a rollout runs for its setting: "pallas" or "xla" as named, "auto" the Pallas
+    kernels on a GPU (Triton) and XLA elsewhere (off the GPU Pallas runs only in interpret mode:
+    the same codes, far slower). Raises ValueError for another setting."""
+    if setting not in IMPLEMENTATION_SETTINGS:
+        raise ValueError(
+            f"implementation must be one of {list(IMPLEMENTATION_SETTINGS)}, got {setting!r}"
+        )
+    if setting == "auto":
+        return Implementation.PALLAS if common.on_gpu() else Implementation.XLA
+    return Implementation(setting)
 
 
 _HF_REQUIRED_KEYS = (

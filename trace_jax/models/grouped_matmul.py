@@ -1,4 +1,5 @@
-"""Grouped (ragged) matmul of expert-sorted rows: `jax.lax.ragged_dot` or a tiled XLA form.
+"""Grouped (ragged) matmul of expert-sorted rows: `jax.lax.ragged_dot`, a tiled XLA form, or the
+Pallas kernel.
 
 `ragged_dot(lhs [M, K], rhs [E, K, N], group_sizes [E])` multiplies rows
 `[sum(g[:e]), sum(g[:e + 1]))` of `lhs` by `rhs[e]`. XLA's default GPU lowering of it (where no
@@ -16,12 +17,19 @@ autodiff of the gathers and the batched dot (the weights' gradient is a segment 
 Its memory: the padded rows and one `[n_tiles, K, N]` copy of the gathered weights per
 projection.
 
-`auto` picks per call, statically from the shapes: the tiled form where the mean group has at
-least `AUTO_MIN_MEAN_GROUP_ROWS` rows (training and prefill: there the dense expansion's E-fold
-work dominates), `ragged_dot` below (decode: few rows per expert, where the tiled form's weight
-gather, `n_tiles` >= E weight matrices copied per projection, and its extra small ops cost more
-than the small dense expansion). Measured on the H200 (`small`, one GRPO step): tiled everywhere
-trains 28% faster but rolls out 32% slower than `ragged_dot`.
+`pallas` runs the forward through the Pallas grouped matmul (`kernels_pallas.grouped_matmul`:
+per (group, N tile) programs that read each active expert's weight tile once per row tile and
+never expand over experts; the XLA reference where the kernel cannot tile the shapes) and the
+backward through the tiled form's VJP (`jax.custom_vjp`), so training works: its gradients are
+exactly the tiled form's. Off a GPU the kernel runs in Pallas interpret mode (slow: tests).
+
+`auto` picks per call, in `resolve`: `pallas` on a GPU; elsewhere, statically from the shapes,
+the tiled form where the mean group has at least `AUTO_MIN_MEAN_GROUP_ROWS` rows (training and
+prefill: there the dense expansion's E-fold work dominates), `ragged_dot` below (decode: few rows
+per expert, where the tiled form's weight gather, `n_tiles` >= E weight matrices copied per
+projection, and its extra small ops cost more than the small dense expansion). Measured on the
+H200 (`small`, one GRPO step): tiled everywhere trains 28% faster but rolls out 32% slower than
+`ragged_dot`.
 
 Axis legend: M rows (expert-sorted), K contraction, N output, E groups, P padded rows.
 """
@@ -29,9 +37,13 @@ Axis legend: M rows (expert-sorted), K contraction, N output, E groups, P padded
 from __future__ import annotations
 
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas import common
+from kernels_pallas.grouped_matmul import grouped_matmul
 
 
 class GroupedMatmul(enum.StrEnum):
@@ -39,6 +51,7 @@ class GroupedMatmul(enum.StrEnum):
 
     RAGGED_DOT = "ragged_dot"
     TILED = "tiled"
+    PALLAS = "pallas"
     AUTO = "auto"
 
 
@@ -48,12 +61,16 @@ AUTO_MIN_MEAN_GROUP_ROWS = 128
 
 
 def resolve(impl: GroupedMatmul | str, m: int, n_groups: int) -> GroupedMatmul:
-    """The concrete grouped matmul for M rows over `n_groups` groups (`auto` decided here)."""
+    """The concrete grouped matmul for M rows over `n_groups` groups; the one place `auto` is
+    decided: `pallas` on a GPU (`kernels_pallas.common.on_gpu`), elsewhere `tiled` from a mean
+    group of `AUTO_MIN_MEAN_GROUP_ROWS` rows on and `ragged_dot` below. Other choices stand."""
     impl = GroupedMatmul(impl)
-    if impl is GroupedMatmul.AUTO:
-        tiled = m >= AUTO_MIN_MEAN_GROUP_ROWS * n_groups
-        return GroupedMatmul.TILED if tiled else GroupedMatmul.RAGGED_DOT
-    return impl
+    if impl is not GroupedMatmul.AUTO:
+        return impl
+    if common.on_gpu():
+        return GroupedMatmul.PALLAS
+    tiled = m >= AUTO_MIN_MEAN_GROUP_ROWS * n_groups
+    return GroupedMatmul.TILED if tiled else GroupedMatmul.RAGGED_DOT
 
 
 def default_tile(m: int, n_groups: int) -> int:
@@ -119,13 +136,49 @@ def tiled_ragged_dot(
     return out[jnp.minimum(slot, n_tiles * tile - 1)]
 
 
+# The kernel where it can tile the shapes, the `ragged_dot` reference where it cannot.
+_PALLAS_ORDER = ("pallas", "xla")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def pallas_ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int | None = None
+) -> jax.Array:
+    """`ragged_dot(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` in lhs.dtype: forward by
+    the Pallas grouped matmul, backward by `tiled_ragged_dot`'s VJP (`tile` rows per tile)."""
+    w = jnp.swapaxes(rhs, -1, -2)  # [E, N, K]: the kernel's layout (the model stores it so)
+    return grouped_matmul(lhs, w, group_sizes, implementation=_PALLAS_ORDER, out_dtype=lhs.dtype)
+
+
+def _pallas_fwd(lhs, rhs, group_sizes, tile):
+    return pallas_ragged_dot(lhs, rhs, group_sizes, tile), (lhs, rhs, group_sizes)
+
+
+def _pallas_bwd(tile, residuals, cotangent):
+    lhs, rhs, group_sizes = residuals
+
+    def tiled(a, b):
+        return tiled_ragged_dot(a, b, group_sizes, tile=tile).astype(a.dtype)
+
+    _, vjp = jax.vjp(tiled, lhs, rhs)
+    d_lhs, d_rhs = vjp(cotangent)
+    return d_lhs, d_rhs, None
+
+
+pallas_ragged_dot.defvjp(_pallas_fwd, _pallas_bwd)
+
+
 def grouped_dot(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
     impl: GroupedMatmul | str = GroupedMatmul.RAGGED_DOT,
 ) -> jax.Array:
-    """The grouped matmul `impl` of `lhs [M, K]` by `rhs [E, K, N]` over `group_sizes [E]`."""
-    if resolve(impl, lhs.shape[0], rhs.shape[0]) is GroupedMatmul.TILED:
+    """The grouped matmul `impl` of `lhs [M, K]` by `rhs [E, K, N]` over `group_sizes [E]`, in
+    lhs.dtype."""
+    impl = resolve(impl, lhs.shape[0], rhs.shape[0])
+    if impl is GroupedMatmul.TILED:
         return tiled_ragged_dot(lhs, rhs, group_sizes).astype(lhs.dtype)
+    if impl is GroupedMatmul.PALLAS:
+        return pallas_ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)

@@ -25,8 +25,8 @@ from trace_jax.models.config import (
     ModelConfig,
     QuantSite,
     SiteName,
+    expert_kernel_order,
     identity_site,
-    kernel_order,
     site_implementation,
 )
 from trace_jax.models.grouped_matmul import GroupedMatmul, grouped_dot
@@ -197,11 +197,13 @@ def experts_packed_fp4(
     x_q: the "expert_in" site's `QTensor` [B, T, D] (or the plain activations when that site does
     not quantize); `site` must offer `quantized` (a `QuantSites`) for "expert_mid". The kernel
     decodes both operands exactly and accumulates in float32 like `ragged_dot` over the
-    fake-quantized values, so the two paths agree to summation order. Returns [B, T, D] in dtype.
+    fake-quantized values, so the two paths agree to summation order. The implementations tried
+    are `expert_kernel_order`'s (cuDNN's block-scaled matmul first on Blackwell GPUs). Returns
+    [B, T, D] in dtype.
     """
     b, t, top_k = routing.topk_idx.shape
     order, inverse, group_sizes = _sort_by_expert(routing, packed.gate.shape[0])
-    implementation = kernel_order(site_implementation(site))
+    implementation = expert_kernel_order(site_implementation(site))
 
     def matmul(lhs, w):
         return fp4_moe_matmul(lhs, w, group_sizes, implementation=implementation, out_dtype=dtype)

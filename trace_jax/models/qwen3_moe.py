@@ -142,6 +142,8 @@ class Qwen3MoE(nnx.Module):
         slots: jax.Array | None,
         moe_impl: MoEImpl,
     ) -> tuple[jax.Array, dict[str, jax.Array], tuple[LayerKVCache, ...] | None]:
+        """The blocks over `tokens [B, T]`: (hidden [B, T, D] before the final norm, aux,
+        caches)."""
         b, t = tokens.shape
         self._check_choices(expert_choices, b, t)
         x = self.embed_tokens(tokens)
@@ -163,7 +165,6 @@ class Qwen3MoE(nnx.Module):
             routings.append(routing)
             aux_losses.append(aux_loss)
             new_caches.append(cache)
-        logits = self.logits(x)
         per_layer = jnp.stack(aux_losses)
         aux = {
             "router_aux_loss": jnp.mean(per_layer),
@@ -172,7 +173,7 @@ class Qwen3MoE(nnx.Module):
             "topk_weights": jnp.stack([r.topk_weights for r in routings]),
             "router_probs": jnp.stack([r.probs for r in routings]),
         }
-        return logits, aux, None if caches is None else tuple(new_caches)
+        return x, aux, None if caches is None else tuple(new_caches)
 
     # ------------------------------------------------------------------------------ forward
 
@@ -203,7 +204,7 @@ class Qwen3MoE(nnx.Module):
             raise ValueError(f"mask shape {valid.shape} != tokens shape {tokens.shape}")
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
-        logits, aux, _ = self._run(
+        hidden, aux, _ = self._run(
             tokens,
             positions=positions,
             mask=causal_mask(valid),
@@ -214,10 +215,52 @@ class Qwen3MoE(nnx.Module):
             slots=None,
             moe_impl=MoEImpl(moe_impl),
         )
-        return logits, aux
+        return self.logits(hidden), aux
 
 
 # ----------------------------------------------------------------------------- cached inference
+
+
+def forward_cached(
+    model: Qwen3MoE,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    site: QuantSite = identity_site,
+    expert_choices: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
+    """Runs `tokens [B, T]` at slots and RoPE `positions [B, T]` (int32) of a cache whose
+    `lengths` already count them: their k, v are written at those slots, and the query at
+    position t attends slots `s <= t` with `s < cache.lengths[b]`, whatever else the cache holds.
+
+    The cache is not advanced (the caller sets `lengths`); tokens at `positions >= lengths` are
+    padding (their outputs are junk, their aux rows are not valid). A prompt prefilled in pieces of
+    positions this way computes every query over exactly the keys of the one-piece prefill
+    (`trace_jax.rollout.prefill_in_chunks`). Returns (hidden [B, T, D] in the compute dtype, before
+    the final norm: `model.logits(hidden)` gives the logits; aux; cache).
+    """
+    tokens = jnp.asarray(tokens)
+    b, t = tokens.shape
+    if b != cache.batch:
+        raise ValueError(f"tokens batch {b} != cache batch {cache.batch}")
+    if t > cache.max_len:
+        raise ValueError(f"{t} tokens do not fit a cache of max_len {cache.max_len}")
+    positions = jnp.asarray(positions, jnp.int32)
+    if positions.shape != (b, t):
+        raise ValueError(f"positions must be [B, T]={(b, t)}, got shape {positions.shape}")
+    hidden, aux, layers = model._run(
+        tokens,
+        positions=positions,
+        mask=cache_mask(positions, cache.lengths, cache.max_len),
+        valid=positions < cache.lengths[:, None],
+        site=site,
+        expert_choices=expert_choices,
+        caches=cache.layers,
+        slots=positions,
+        moe_impl=MoEImpl.GROUPED,
+    )
+    return hidden, aux, KVCache(layers=layers, lengths=cache.lengths)
 
 
 def prefill(
@@ -239,28 +282,17 @@ def prefill(
     """
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
-    if b != cache.batch:
-        raise ValueError(f"tokens batch {b} != cache batch {cache.batch}")
-    if t > cache.max_len:
-        raise ValueError(f"{t} tokens do not fit a cache of max_len {cache.max_len}")
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [B]=({b},), got shape {lengths.shape}")
+    if b != cache.batch:
+        raise ValueError(f"tokens batch {b} != cache batch {cache.batch}")
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    new_lengths = cache.lengths + lengths
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
-    logits, aux, layers = model._run(
-        tokens,
-        positions=positions,
-        mask=cache_mask(positions, new_lengths, cache.max_len),
-        valid=valid,
-        site=site,
-        expert_choices=expert_choices,
-        caches=cache.layers,
-        slots=positions,
-        moe_impl=MoEImpl.GROUPED,
+    advanced = KVCache(layers=cache.layers, lengths=cache.lengths + lengths)
+    hidden, aux, cache = forward_cached(
+        model, advanced, tokens, positions, site=site, expert_choices=expert_choices
     )
-    return logits, aux, KVCache(layers=layers, lengths=new_lengths)
+    return model.logits(hidden), aux, cache
 
 
 def decode_step(

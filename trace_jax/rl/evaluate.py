@@ -11,7 +11,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from trace_jax import tasks
-from trace_jax.models import Qwen3MoE
+from trace_jax.models import Qwen3MoE, resolve_implementation
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rl.experiment import EvalConfig
 from trace_jax.rollout import SamplingConfig, generate
@@ -27,10 +27,13 @@ def evaluate_pass_at_1(
     temperature: float = 0.0,
     qcfg: QuantConfig | None = None,
     mode: SiteMode = SiteMode.OFF,
+    implementation: str = "auto",
 ) -> float:
     """Mean over problems of the mean exact-answer reward of `k` samples (greedy when T = 0).
 
-    `qcfg`/`mode` choose the execution: SiteMode.OFF is bf16, SiteMode.RTN the FP4 policy.
+    `qcfg`/`mode` choose the execution: SiteMode.OFF is bf16, SiteMode.RTN the FP4 policy;
+    `implementation` the sampler's kernels ("auto": the Pallas kernels on a GPU, XLA elsewhere;
+    "pallas"; "xla": `trace_jax.models.resolve_implementation`).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -56,6 +59,7 @@ def evaluate_pass_at_1(
         sampling=sampling,
         qcfg=qcfg or QuantConfig.bf16(),
         mode=mode,
+        implementation=resolve_implementation(implementation).value,
     )
     responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
     rewards = tasks.batch_rewards(repeated, responses)
@@ -69,9 +73,11 @@ def pass_at_1_by_split(
     *,
     qcfg: QuantConfig | None = None,
     mode: SiteMode = SiteMode.OFF,
+    implementation: str = "auto",
 ) -> dict[str, float]:
-    """Split -> pass@1 (`evaluate_pass_at_1`) on the first `config.problems_per_split` problems
-    of each of `config.splits`, split i sampled with `keys[i]`."""
+    """Split -> pass@1 (`evaluate_pass_at_1`, `implementation` as there) on the first
+    `config.problems_per_split` problems of each of `config.splits`, split i sampled with
+    `keys[i]`."""
     if len(keys) != len(config.splits):
         raise ValueError(f"{len(keys)} PRNG keys for {len(config.splits)} splits")
     splits = tqdm(
@@ -90,6 +96,7 @@ def pass_at_1_by_split(
             temperature=config.temperature,
             qcfg=qcfg,
             mode=mode,
+            implementation=implementation,
         )
         for name, key in splits
     }

@@ -11,6 +11,14 @@ disaggregated runner gives each its own process and model, linked by policy chec
 rollout files and the store. A method plugs in through its `MethodSetup` alone: the rollout
 recipe and what it captures, the trainer's recipe and its loss.
 
+Guidance off the critical path: a batch that still holds its rollout's guidance on the device (one
+process) trains on it at once, while a background thread waits for each committed entry, reads
+it back verified and version-checked, and checks that it holds exactly those bytes; the step
+returns only when every entry checked. A batch without guidance (loaded from a file: another
+process sampled it) trains on the entries read from the store, each read in the background from
+the moment the step starts. Either way the step's entries are deleted in the background after the
+step (during the next rollout); a failure there is raised by the next `train` or `close`.
+
 Policy versions count optimizer steps: with M mini-batches per step, the trainer holds version
 `step * M` when step `step` starts and trains mini-batch m at version `step * M + m`, which is the
 version it asks the store for (the store accepts guidance up to `max_staleness` versions older).
@@ -22,7 +30,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -33,8 +43,8 @@ from flax import nnx
 
 from trace_jax import tasks
 from trace_jax.fp4 import Guidance, GuidanceMode
-from trace_jax.guidance import GuidanceStore
-from trace_jax.models import Qwen3MoE, init_model
+from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
+from trace_jax.models import Qwen3MoE, init_model, resolve_implementation
 from trace_jax.quant import SiteMode
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.checkpoint import load_params
@@ -44,6 +54,8 @@ from trace_jax.rl.methods import MethodSetup
 from trace_jax.rl.sharding import mesh_context, place_batch, place_state
 from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate
+
+log = logging.getLogger(__name__)
 
 
 def step_problems(config: ExperimentConfig, step: int, n: int) -> list[tasks.Problem]:
@@ -68,6 +80,13 @@ def mini_batch_slices(n: int, parts: int) -> list[slice]:
         raise ValueError(f"{n} rollouts per step do not split into {parts} equal mini-batches")
     size = n // parts
     return [slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
+@functools.partial(jax.jit, static_argnames=("parts",))
+def split_rollout(roll: Rollout, parts: int) -> list[Rollout]:
+    """`roll.rows(s)` for each of `mini_batch_slices(B, parts)`, in one dispatch (one slice per
+    array of every guided site would each cost a dispatch)."""
+    return [roll.rows(rows) for rows in mini_batch_slices(roll.tokens.shape[0], parts)]
 
 
 def init_policy(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
@@ -105,7 +124,8 @@ class RolloutWorker:
 
     Attributes: config, model (updated in place by whoever owns the policy), setup, mesh,
     sampling (`SamplingConfig` of `config.rl`), prompt_width (every step pads its prompts to it:
-    one compiled sampler).
+    one compiled sampler), implementation (the sampler's kernels, "pallas" or "xla":
+    `rl.rollout_implementation` resolved on this process's devices).
     """
 
     def __init__(
@@ -123,6 +143,7 @@ class RolloutWorker:
             pad_id=tasks.PAD_ID,
         )
         self.prompt_width = config.tasks.prompt_width
+        self.implementation = resolve_implementation(config.rl.rollout_implementation)
         self._key = jax.random.key(config.seed)
 
     def measures_mismatch(self, step: int) -> bool:
@@ -160,6 +181,7 @@ class RolloutWorker:
                 mode=setup.rollout_mode,
                 capture=capture,
                 capture_mode=capture_mode,
+                implementation=self.implementation.value,
                 residual_fraction=setup.rollout_residual_channels,
             )
         jax.block_until_ready(roll.tokens)
@@ -177,21 +199,20 @@ class RolloutWorker:
     ) -> list[concurrent.futures.Future]:
         """Rollout -> store: starts writing one entry per mini-batch, stamped with the batch's
         policy version, and returns their futures at once (none for a method without guidance).
-        The trainer waits for each entry just before reading it, so the writes run behind the
-        reward scoring and the earlier mini-batches' reads instead of in front of them."""
+        The trainer's background thread waits for each before reading its entry back, so the
+        writes run behind the reward scoring and the trainer's device work."""
         if not self.setup.capture:
             return []
-        roll = batch.rollout
-        slices = mini_batch_slices(roll.tokens.shape[0], self.config.rl.grpo.mini_batches)
+        parts = split_rollout(batch.rollout, self.config.rl.grpo.mini_batches)
         return [
             store.write_async(
                 self.config.rl.run_id,
                 batch.step,
-                roll.rows(rows).guidance,
+                part.guidance,
                 policy_version=batch.policy_version,
                 micro_batch=m,
             )
-            for m, rows in enumerate(slices)
+            for m, part in enumerate(parts)
         ]
 
 
@@ -242,12 +263,52 @@ def mismatch_metrics(stats: dict[str, dict]) -> dict[str, float]:
     return out
 
 
+def check_same_guidance(read: dict[str, Guidance] | None, own: dict[str, Guidance], what: str):
+    """Raises GuidanceCorruptError unless the entry `read` back from the store holds exactly the
+    guidance `own` (site keys, formats, modes, shapes and the bytes of every leaf), `what` naming
+    the entry; `read` None (a fallback read) is no copy either."""
+    if read is None:
+        raise GuidanceCorruptError(f"{what}: read back as a round-to-nearest fallback")
+    if set(read) != set(own):
+        raise GuidanceCorruptError(f"{what}: holds sites {sorted(read)}, expected {sorted(own)}")
+    for site, g in own.items():
+        r = read[site]
+        for leaf in ("payload", "scales", "global_scale", "mask"):
+            a, b = getattr(g, leaf), getattr(r, leaf)
+            if (a is None) != (b is None) or (g.fmt, g.mode) != (r.fmt, r.mode):
+                raise GuidanceCorruptError(f"{what}: site {site!r} {leaf} differs in kind")
+            if a is None:
+                continue
+            a, b = np.asarray(a), np.asarray(b)
+            same = a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize
+            if not (same and np.array_equal(_bytes(a), _bytes(b))):
+                raise GuidanceCorruptError(
+                    f"{what}: site {site!r} {leaf} differs from the guidance trained on"
+                )
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """A mini-batch's entry as the background thread got it: the guidance read (host arrays), and
+    when (`time.perf_counter`) its write had committed."""
+
+    guidance: dict[str, Guidance] | None
+    committed_at: float
+
+
 class Trainer:
     """Scores rollout batches and runs the method's GRPO update on the policy `model`, one
-    optimizer step per mini-batch, reading each mini-batch's guidance from the store.
+    optimizer step per mini-batch, each mini-batch's guidance checked against the store.
 
     Attributes: config, model, setup, mesh, optimizer (AdamW on `rl.grpo`'s schedule over
     `rl.steps * mini_batches` optimizer steps, placed like the model).
+
+    Guidance reads, checks and deletions run on one background thread (module docstring);
+    `close()` waits for the last deletion and raises its failure.
     """
 
     def __init__(
@@ -263,6 +324,9 @@ class Trainer:
             model, make_optimizer(grpo, config.rl.steps * grpo.mini_batches), wrt=nnx.Param
         )
         place_state(self.optimizer, mesh)
+        # One thread: entries are read in mini-batch order, and a step's deletion follows them.
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-guidance")
+        self._cleanup: concurrent.futures.Future | None = None
 
     def train(
         self,
@@ -270,53 +334,63 @@ class Trainer:
         store: GuidanceStore,
         writes: Sequence[concurrent.futures.Future] = (),
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Scores `batch` and runs the update; deletes the step's consumed guidance entries.
+        """Scores `batch` and runs the update; deletes the step's consumed guidance entries
+        (in the background).
 
         The trainer must hold version `batch.step * M` (M mini-batches). `writes`: this
         process's pending writes of the step's entries (`RolloutWorker.publish_guidance`, one
         per mini-batch), each waited for before its entry is read; without them the entries
-        must be committed already (another process wrote them). With `batch.reference`, the
-        trainer's code mismatch per site is measured on the first mini-batch before any update.
+        must be committed already (another process wrote them). A batch holding its rollout's
+        guidance trains on it and returns once every entry read back equal to it (else
+        GuidanceCorruptError); a batch without trains on the entries read. With
+        `batch.reference`, the trainer's code mismatch per site is measured on the first
+        mini-batch before any update.
 
         Returns (metrics averaged over mini-batches, with the reward and response length; the
-        seconds the step was blocked on the store: {"write_wait": waiting for `writes`,
-        "read": reading entries, host -> device included}). Raises FloatingPointError on a
-        non-finite loss.
+        seconds the step was blocked on the store: {"write_wait": waiting for an entry's
+        write, "read": waiting for its read, host -> device included}). Raises
+        FloatingPointError on a non-finite loss, and the failure of the previous step's
+        background deletion.
         """
+        self._settle_cleanup()
         rl, grpo, setup = self.config.rl, self.config.rl.grpo, self.setup
         roll, step = batch.rollout, batch.step
         problems = group_problems(self.config, step)
-        responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
-        rewards = tasks.batch_rewards(problems, responses)
-        adv = grpo_advantages(jnp.asarray(rewards), grpo.group_size)
         slices = mini_batch_slices(len(problems), grpo.mini_batches)
         if writes and len(writes) != len(slices):
             raise ValueError(
                 f"{len(writes)} pending guidance writes for {len(slices)} mini-batches"
             )
+        parts = split_rollout(roll, grpo.mini_batches)
+        on_device = bool(setup.capture) and bool(roll.guidance)
+        entries = []
+        if setup.capture:  # started now: the reads run behind the scoring and the device work
+            entries = [
+                self._io.submit(
+                    self._fetch_entry,
+                    store,
+                    step,
+                    m,
+                    writes[m] if writes else None,
+                    part.guidance if on_device else None,
+                )
+                for m, part in enumerate(parts)
+            ]
+        responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+        rewards = tasks.batch_rewards(problems, responses)
+        adv = grpo_advantages(jnp.asarray(rewards), grpo.group_size)
         kw = dict(setup=setup, grpo=grpo, temperature=rl.temperature)
         mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}
         with mesh_context(self.mesh):
-            for m, rows in enumerate(slices):
-                part = roll.rows(rows)
-                if setup.capture:  # store -> trainer, checked against the trainer's version
-                    guidance, waited = read_guidance(
-                        store,
-                        rl.run_id,
-                        step,
-                        m,
-                        mini_batches=grpo.mini_batches,
-                        max_staleness=grpo.max_staleness,
-                        write=writes[m] if writes else None,
-                    )
+            for m, (rows, part) in enumerate(zip(slices, parts, strict=True)):
+                if setup.capture and not on_device:  # store -> trainer
+                    guidance = self._wait(entries[m], blocked).guidance
                     r0 = time.perf_counter()
                     guidance = place_batch(guidance, self.mesh, rows.stop - rows.start)
                     part = dataclasses.replace(part, guidance=guidance)
-                    waited["read"] += time.perf_counter() - r0
-                    for k in blocked:
-                        blocked[k] += waited[k]
+                    blocked["read"] += time.perf_counter() - r0
                 # PPO's pi_old: the policy at the start of the step, before any mini-batch
-                # update, with the guidance as read from the store.
+                # update, with the guidance the store holds.
                 mini_batches.append((rows, part, old_logprobs(self.model, part, **kw)))
             mismatch = {}
             if batch.reference is not None:
@@ -333,8 +407,12 @@ class Trainer:
         metrics = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
         if not np.isfinite(metrics["loss"]):
             raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+        if on_device:  # what the device's work did not hide of the entries' checks
+            for entry in entries:
+                self._wait(entry, blocked)
         if setup.capture:
-            store.gc(rl.run_id, step)
+            self._cleanup = self._io.submit(store.gc, rl.run_id, step)
+            self._cleanup.add_done_callback(_log_failure)
         metrics = {
             "reward": float(np.mean(rewards)),
             "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
@@ -342,3 +420,59 @@ class Trainer:
             **mismatch,
         }
         return metrics, blocked
+
+    def close(self) -> None:
+        """Waits for the background deletion of the last step's entries (raising its failure)
+        and stops the background thread. Idempotent."""
+        try:
+            self._settle_cleanup()
+        finally:
+            self._io.shutdown(wait=True)
+
+    def _fetch_entry(
+        self,
+        store: GuidanceStore,
+        step: int,
+        m: int,
+        write: concurrent.futures.Future | None,
+        own: dict[str, Guidance] | None,
+    ) -> _Entry:
+        """(Background thread.) Mini-batch `m`'s entry, read once `write` committed; checked
+        equal to `own` (the guidance trained on) when given."""
+        grpo = self.config.rl.grpo
+        t0 = time.perf_counter()
+        guidance, waited = read_guidance(
+            store,
+            self.config.rl.run_id,
+            step,
+            m,
+            mini_batches=grpo.mini_batches,
+            max_staleness=grpo.max_staleness,
+            write=write,
+        )
+        if own is not None:
+            check_same_guidance(guidance, own, f"guidance of step {step}, mini-batch {m}")
+        return _Entry(guidance, t0 + waited["write_wait"])
+
+    @staticmethod
+    def _wait(future: concurrent.futures.Future, blocked: dict[str, float]) -> _Entry:
+        """The entry of `future` (its failure raised), adding the seconds waited for it to
+        `blocked`: until its write committed to "write_wait", after that to "read"."""
+        w0 = time.perf_counter()
+        entry = future.result()
+        w1 = time.perf_counter()
+        write_wait = min(max(entry.committed_at - w0, 0.0), w1 - w0)
+        blocked["write_wait"] += write_wait
+        blocked["read"] += w1 - w0 - write_wait
+        return entry
+
+    def _settle_cleanup(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup.result()
+
+
+def _log_failure(future: concurrent.futures.Future) -> None:
+    """Logs a failed background deletion when it happens (`train` or `close` raises it)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("deleting consumed guidance failed: %s", future.exception())

@@ -1,5 +1,7 @@
 """Rollout: the jitted FP4 sampler that records expert choices and rounding guidance."""
 
+from trace_jax.rollout.memory import rollout_memory
+from trace_jax.rollout.prefill import ChunkGrid, chunk_grid, prefill_in_chunks
 from trace_jax.rollout.sampler import Rollout, generate
 from trace_jax.rollout.sampling import (
     SamplingConfig,
@@ -9,10 +11,14 @@ from trace_jax.rollout.sampling import (
 )
 
 __all__ = [
+    "ChunkGrid",
     "Rollout",
     "SamplingConfig",
+    "chunk_grid",
     "filter_logits",
     "generate",
     "policy_logprobs",
+    "prefill_in_chunks",
+    "rollout_memory",
     "sample_tokens",
 ]

@@ -1,4 +1,4 @@
-"""The rollout engine: a jitted prefill + decode loop that records what FP4 really did.
+"""The rollout engine: a jitted chunked prefill + decode loop that records what FP4 really did.
 
 Sequence layout (shared with the trainer): right-padded rows, token s of row b at slot and RoPE
 position s. The prompt fills slots `[0, prompt_len)`, response token n sits at slot
@@ -21,8 +21,9 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, GuidanceMode
-from trace_jax.models import Qwen3MoE, decode_step, init_cache, pack_model_experts, prefill
+from trace_jax.models import Qwen3MoE, decode_step, init_cache, pack_model_experts
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
+from trace_jax.rollout.prefill import prefill_in_chunks
 from trace_jax.rollout.sampling import SamplingConfig, policy_logprobs, sample_tokens
 
 
@@ -85,11 +86,11 @@ def _write_slots(buf: jax.Array, value: jax.Array, slots: jax.Array, axis: int =
     return jnp.moveaxis(out, (0, 1), (axis - 1, axis))
 
 
-def _guidance_buffer(g: Guidance, n_slots: int) -> Guidance:
-    """An empty `[B, n_slots, ...]` buffer shaped like the `[B, T, ...]` guidance `g`."""
+def _guidance_buffer(g: Guidance, batch: int, n_slots: int) -> Guidance:
+    """An empty `[batch, n_slots, ...]` buffer shaped like the `[B', T, ...]` guidance `g`."""
 
     def shape(a):
-        return (a.shape[0], n_slots, *a.shape[2:])
+        return (batch, n_slots, *a.shape[2:])
 
     gs = None if g.global_scale is None else jnp.ones(shape(g.global_scale), jnp.float32)
     return Guidance(
@@ -111,10 +112,6 @@ def _map_guidance(fn, *gs: Guidance) -> Guidance:
         return None if parts[0] is None else fn(*parts)
 
     return Guidance(part("payload"), part("scales"), part("global_scale"), None, g0.fmt, g0.mode)
-
-
-def _write_guidance(buf: Guidance, g: Guidance, slots: jax.Array) -> Guidance:
-    return _map_guidance(lambda b, v: _write_slots(b, v, slots), buf, g)
 
 
 def pack_rows(leaves: list[jax.Array]) -> jax.Array:
@@ -186,7 +183,8 @@ def generate(
       graphdef, params: `nnx.split(model)` of a `Qwen3MoE`.
       prompts: int32 [B, P], right-padded; `prompt_lengths` int32 [B] in [1, P].
       key: PRNG key; step n samples with `fold_in(key, n)`.
-      sampling: temperature, top-k/top-p, stop tokens, length.
+      sampling: temperature, top-k/top-p, stop tokens, length, and the prompt prefill's chunk
+        size (`prefill_chunk_tokens`, see `trace_jax.rollout.prefill`).
       qcfg, mode: the FP4 recipe and SiteMode.RTN (FP4 rollout) or SiteMode.OFF (BF16 rollout).
       capture: site keys whose rounding decisions to record (e.g. `qcfg.guided_keys(L)`).
       capture_mode: "compact" or "full" guidance.
@@ -233,21 +231,34 @@ def generate(
             packed_experts=packed_experts,
         )
 
-    # Prefill the prompts.
+    # Prefill the prompts in chunks of at most `sampling.prefill_chunk_tokens` tokens, recording
+    # each token's expert choices [B, T, L, K] and captured guidance at its slot.
     kv_format = qcfg.kv_format if mode is SiteMode.RTN else None
     cache = init_cache(cfg, batch=b, max_len=s_total, kv_format=kv_format)
-    sites = new_sites()
-    logits, aux, cache = prefill(model, cache, prompts, prompt_lengths, site=sites)
-    prompt_slots = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    experts = jnp.zeros((cfg.n_layers, b, s_total, cfg.top_k), jnp.int32)
-    experts = _write_slots(experts, aux["topk_idx"], prompt_slots, axis=2)
-    guidance = {}
-    for k, g in _captures(sites, capture_mode).items():
-        guidance[k] = _write_guidance(_guidance_buffer(g, s_total), g, prompt_slots)
 
-    last_logits = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    def prefill_records(aux, sites):  # guidance without a mask, the buffers' structure
+        captured = _captures(sites, capture_mode)
+        guidance = {k: _map_guidance(lambda a: a, g) for k, g in captured.items()}
+        return jnp.moveaxis(aux["topk_idx"], 0, 2), guidance
+
+    def record_buffers(like):
+        experts_like, guidance_like = like
+        experts = jnp.zeros((b, s_total, *experts_like.shape[2:]), jnp.int32)
+        return experts, {k: _guidance_buffer(g, b, s_total) for k, g in guidance_like.items()}
+
+    last_logits, cache, (experts, guidance) = prefill_in_chunks(
+        model,
+        cache,
+        prompts,
+        prompt_lengths,
+        chunk_tokens=sampling.prefill_chunk_tokens,
+        new_site=new_sites,
+        records=prefill_records,
+        record_buffers=record_buffers,
+    )
+    experts = jnp.moveaxis(experts, 2, 0)  # [L, B, S, K]
     tokens = jnp.full((b, s_total), sampling.pad_id, jnp.int32)
-    tokens = _write_slots(tokens, prompts, prompt_slots)
+    tokens = jax.lax.dynamic_update_slice(tokens, prompts.astype(jnp.int32), (0, 0))
     logprobs = jnp.zeros((b, s_total), jnp.float32)
 
     def sample_at(n, logits, tokens, logprobs, done, lengths):

@@ -3,7 +3,9 @@
 Each method runs `steps` plain GRPO steps (no evaluation, no mismatch steps: only the steady
 loop) from the same random initialization in `<workdir>/<method>` (`run_method`); `report` takes
 the median per-step time of each phase over the steps after the first `skip` (compilation) from
-each run's `rl_metrics.jsonl`, and each method's step time over the reference method's.
+each run's `rl_metrics.jsonl`, and each method's step time over the reference method's, with the
+kernels its rollout ran (`rollout_implementation`: `rl.rollout_implementation` as the run's
+process resolved it, "pallas" or "xla").
 
 From a random initialization no row stops early, so every method samples full-length responses:
 equal work per step, which a side-by-side timing needs.
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from trace_jax.models import resolve_implementation
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
@@ -26,7 +29,8 @@ from trace_jax.rl.metrics_log import read_rows
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
 # The guidance I/O's parts: the write still committing when the trainer needs it, and the read.
 GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
-MEMORY_FILE = "device_memory.json"
+# What a timing run's process records beside its logs: the rollout's kernels, its peak memory.
+RUN_FILE = "step_time_run.json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,15 +85,18 @@ def method_config(config: ExperimentConfig, method: str, steps: int) -> Experime
 def run_method(
     config: ExperimentConfig, workdir: str, method: str, steps: int, record_memory: bool = False
 ) -> None:
-    """Runs `method` in `<workdir>/<method>`; with `record_memory` (a process of its own), writes
-    the device's peak memory over the run to `<workdir>/<method>/device_memory.json` where the
-    backend reports it (GPUs do, the CPU does not)."""
+    """Runs `method` in `<workdir>/<method>` and writes `<workdir>/<method>/step_time_run.json`:
+    the rollout's kernels as this process resolves `rl.rollout_implementation` (what its
+    `RolloutWorker` ran) and, with `record_memory` (a process of its own), the device's peak
+    memory over the run where the backend reports it (GPUs do, the CPU does not)."""
     directory = os.path.join(workdir, method)
     RLLoop(method_config(config, method, steps), directory).run()
+    record = {"rollout_implementation": resolve_implementation(config.rl.rollout_implementation)}
     stats = jax.local_devices()[0].memory_stats() if record_memory else None
     if stats and "peak_bytes_in_use" in stats:
-        with open(os.path.join(directory, MEMORY_FILE), "w") as f:
-            json.dump({"peak_bytes_in_use": int(stats["peak_bytes_in_use"])}, f)
+        record["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
+    with open(os.path.join(directory, RUN_FILE), "w") as f:
+        json.dump(record, f)
 
 
 def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
@@ -109,17 +116,24 @@ def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
 
 
 def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> list[dict]:
-    """One row per method from `<workdir>/<method>/rl_metrics.jsonl`: `step_times`, the peak
-    device memory (`peak_memory_gib`) where recorded, the guidance I/O share of the step and the
-    step time relative to `reference`'s (`step_vs_reference`)."""
+    """One row per method from `<workdir>/<method>/rl_metrics.jsonl` and `step_time_run.json`:
+    the rollout's kernels (`rollout_implementation`), `step_times`, the peak device memory
+    (`peak_memory_gib`) where recorded, the guidance I/O share of the step and the step time
+    relative to `reference`'s (`step_vs_reference`)."""
     rows = []
     for m in methods:
         logged = read_rows(os.path.join(workdir, m, "rl_metrics.jsonl"))
-        rows.append({"method": m, **step_times(logged, skip)})
-        memory = os.path.join(workdir, m, MEMORY_FILE)
-        if os.path.exists(memory):
-            with open(memory) as f:
-                rows[-1]["peak_memory_gib"] = json.load(f)["peak_bytes_in_use"] / 2**30
+        with open(os.path.join(workdir, m, RUN_FILE)) as f:
+            record = json.load(f)
+        rows.append(
+            {
+                "method": m,
+                "rollout_implementation": record["rollout_implementation"],
+                **step_times(logged, skip),
+            }
+        )
+        if "peak_bytes_in_use" in record:
+            rows[-1]["peak_memory_gib"] = record["peak_bytes_in_use"] / 2**30
     ref = next(r for r in rows if r["method"] == reference)
     for r in rows:
         r["guidance_io_share"] = r["time_guidance_io_s"] / r["time_step_s"]
