@@ -108,11 +108,17 @@ def test_presets_are_derived_and_overridable():
         (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef"),
         (dict(dtype=jnp.int32), "dtype"),
         (dict(param_dtype="not-a-dtype"), "param_dtype"),
+        (dict(grouped_matmul="megablox"), "grouped_matmul"),
     ],
 )
 def test_invalid_configs_raise(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         ModelConfig.tiny(**overrides)
+
+
+@pytest.mark.parametrize("name", ["ragged_dot", "tiled", "pallas", "auto"])
+def test_every_grouped_matmul_is_a_valid_setting(name):
+    assert ModelConfig.tiny(grouped_matmul=name).grouped_matmul == name
 
 
 def test_from_hf_config_qwen3_30b():

@@ -46,6 +46,7 @@ from kernels_pallas import common
 from kernels_pallas.common import Implementation
 from kernels_pallas.fp4_moe_matmul import MoEImplementation
 from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
+from trace_jax.models.grouped_matmul import GroupedMatmul
 
 
 class SiteName(enum.StrEnum):
@@ -157,8 +158,9 @@ class ModelConfig:
       dtype: compute dtype. param_dtype: storage dtype of parameters.
       grouped_matmul: the routed experts' grouped matmul, "ragged_dot" (`jax.lax.ragged_dot`),
         "tiled" (`grouped_matmul.tiled_ragged_dot`: no E-fold dense expansion where XLA has no
-        grouped kernel) or "auto" (tiled for many rows per expert, ragged_dot for few:
-        `grouped_matmul.resolve`); same numbers either way.
+        grouped kernel), "pallas" (the Pallas grouped matmul forward, the tiled form's backward)
+        or "auto" (`grouped_matmul.resolve`: "pallas" on a GPU; elsewhere tiled for many rows per
+        expert, ragged_dot for few); the same products up to float32 summation order.
     """
 
     vocab_size: int
@@ -183,10 +185,10 @@ class ModelConfig:
     grouped_matmul: str = "ragged_dot"
 
     def __post_init__(self):
-        if self.grouped_matmul not in ("ragged_dot", "tiled", "auto"):
+        choices = [g.value for g in GroupedMatmul]
+        if self.grouped_matmul not in choices:
             raise ValueError(
-                f"ModelConfig.grouped_matmul must be 'ragged_dot', 'tiled' or 'auto', "
-                f"got {self.grouped_matmul!r}"
+                f"ModelConfig.grouped_matmul must be one of {choices}, got {self.grouped_matmul!r}"
             )
         positive = (
             "vocab_size",
