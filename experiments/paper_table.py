@@ -42,6 +42,7 @@ from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import aggregate as agg
 from trace_jax.tables.grid import Table, benchmark_splits
 from trace_jax.tables.train import run_sft_stage, train_runs
+from trace_jax.tasks.splits import split_legend
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -133,8 +134,9 @@ def notes(table: Table, workdir: str, rows: list[dict], adapt: dict | None, from
         f"{e.rl.grpo.group_size} samples; pass@1 with each run's own rollout execution (FP4 "
         "methods in FP4, `bf16` in bf16; the SFT start under both), averaged over k = "
         f"{e.eval.k} samples at temperature {e.eval.temperature}, {e.eval.problems_per_split} "
-        f"problems per split; mean and sample std over seeds {list(table.seeds)}. `average`: "
-        f"mean over {benchmark_splits(e.eval.splits)}.\n\n![curves]({table.name}.png)"
+        f"problems per split; mean and sample std over seeds {list(table.seeds)}. Splits "
+        f"(generated problems, named by task and level): {split_legend(e.eval.splits)}; "
+        f"`average`: mean over {benchmark_splits(e.eval.splits)}.\n\n![curves]({table.name}.png)"
     )
     if adapt is not None:
         at, run, ref = adapt["matched_at"], adapt["run"], adapt["reference"]

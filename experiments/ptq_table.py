@@ -32,7 +32,8 @@ from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables import ptq_table
-from trace_jax.tables.grid import BENCHMARK_SPLITS
+from trace_jax.tables.grid import BENCHMARK_SPLITS, benchmark_splits
+from trace_jax.tasks.splits import split_legend, with_current_split_names
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -69,6 +70,7 @@ def plot_from(path: str) -> str:
     """Redraws `<table>.png` beside a written `<table>.json` (its policies may be gone); returns
     the PNG's path."""
     rows = harness.rows_written_by(path, "experiments.ptq_table", ("policy", "average_seeds"))
+    rows = [with_current_split_names(r) for r in rows]  # also a JSON written under older names
     out = os.path.splitext(path)[0] + ".png"
     plot(rows, out)
     return out
@@ -107,7 +109,9 @@ def run(
     notes = (
         f"pass@1 (k={ev.k}, {ev.problems_per_split} problems per split, temperature "
         f"{ev.temperature}), mean over {len(per_seed)} training seeds (`average_std`: sample std "
-        "over seeds; every split's std and per-seed values are in the JSON); H-Scale calibrated "
+        "over seeds; every split's std and per-seed values are in the JSON). Splits (generated "
+        f"problems, named by task and level): {split_legend(ev.splits)}; `average`: mean over "
+        f"{benchmark_splits(ev.splits)}. H-Scale calibrated "
         f"on {calibration_prompts} training prompts; weight_sq_error: summed squared error of the "
         f"routed-expert weights.\n\n![pass@1 by policy]({name}.png)"
     )

@@ -15,6 +15,7 @@ from experiments import paper_table
 from tests.tables import support
 from trace_jax.tables import aggregate as agg
 from trace_jax.tables.grid import Table
+from trace_jax.tasks import SPLIT_NAMES
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -25,11 +26,17 @@ def _logs(workdir, seeds_done=((0, 1), (0, 1))):
     for label, seeds in zip(table.labels, seeds_done, strict=True):
         for seed in seeds:
             v = 0.1 * (1 + seed) + (0.5 if label == "trace" else 0.0)
-            evals = [{"step": s, "level1": 0.9, "aime24": v - 0.01 * (2 - s)} for s in range(3)]
+            evals = [
+                {"step": s, "level1": 0.9, "arith_countdown_l2": v - 0.01 * (2 - s)}
+                for s in range(3)
+            ]
             metrics = [{"step": s, "reward": v, "train_rollout_gap_mean": 0.01} for s in range(3)]
             support.write_run_logs(workdir, label, seed, evals, metrics)
-    support.write_sft_eval(workdir, {"bf16": {"level1": 0.5, "aime24": 0.05},
-                                     "nvfp4": {"level1": 0.4, "aime24": 0.04}})  # fmt: skip
+    sft_scores = {
+        "bf16": {"level1": 0.5, "arith_countdown_l2": 0.05},
+        "nvfp4": {"level1": 0.4, "arith_countdown_l2": 0.04},
+    }
+    support.write_sft_eval(workdir, sft_scores)
     return table
 
 
@@ -42,8 +49,11 @@ def test_the_table_from_run_logs(tmp_path):
     md = (out / "t.md").read_text()
     assert "| SFT start (bf16) |" in md and "| SFT start (nvfp4) |" in md
     assert "Aggregated from the run logs" in md and "Partial table" not in md
-    # trace (0.6, 0.7 at the last step) matches bf16 (0.1, 0.2) at once on aime24, the only split.
-    assert "on the hardest split (`aime24`" in md and "first matches `bf16` at step 0" in md
+    # trace (0.6, 0.7 at the last step) matches bf16 (0.1, 0.2) at once on the only benchmark split.
+    assert (
+        "on the hardest split (`arith_countdown_l2`" in md
+        and "first matches `bf16` at step 0" in md
+    )
     assert (out / "t.png").stat().st_size > 0
 
 
@@ -95,7 +105,7 @@ def test_parse_shard():
 
 def test_adaptation_curve_draws_both_runs_from_the_sft_score(monkeypatch):
     adapt = {
-        "split": "aime25", "run": "trace", "reference": "bf16", "matched_at": 49,
+        "split": "arith_countdown_l3", "run": "trace", "reference": "bf16", "matched_at": 49,
         "points": [{"step": 49, "trace": 0.30, "bf16": 0.31, "ref_std": 0.02},
                    {"step": 99, "trace": 0.33, "bf16": 0.32, "ref_std": 0.01}],
     }  # fmt: skip
@@ -125,7 +135,7 @@ def test_adaptation_curve_draws_both_runs_from_the_sft_score(monkeypatch):
 def test_command_line_writes_a_partial_table_from_logs(tmp_path):
     """The entry point as launched: a locked table config with overrides, from logs alone."""
     for seed in (0, 1):
-        scores = {s: 0.1 * seed for s in ("level1", "aime24", "aime25", "hmmt25", "livecodebench")}
+        scores = {s: 0.1 * seed for s in SPLIT_NAMES}
         evals = [{"step": 9, **scores}]
         support.write_run_logs(tmp_path / "w", "trace all", seed, evals)
     cmd = [

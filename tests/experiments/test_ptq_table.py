@@ -15,9 +15,9 @@ from trace_jax.tables import ptq_table as library
 def test_table_over_seeds_and_redraw(tmp_path, monkeypatch):
     def fake_seed_rows(config, outdir, name, seed, bf16, trace, calibration):
         assert (outdir, name, calibration) == (str(tmp_path), "t7", 3)
-        rows = [{"policy": "b", "aime24": 0.1 * seed, "average": 0.1 * seed}]
+        rows = [{"policy": "b", "arith_countdown_l2": 0.1 * seed, "average": 0.1 * seed}]
         if trace:
-            rows.append({"policy": "t", "aime24": 0.2 + seed, "average": 0.2 + seed})
+            rows.append({"policy": "t", "arith_countdown_l2": 0.2 + seed, "average": 0.2 + seed})
         calls.append((seed, bf16, trace))
         return rows
 

@@ -82,12 +82,12 @@ def finished(tmp_path_factory):
         fp4 = 0.001 * (mode is SiteMode.RTN)
         return {s: 0.1 + 0.01 * i + fp4 for i, s in enumerate(config.splits)}
 
-    def rl_scores(model, config, keys, *, qcfg=None, mode=SiteMode.OFF):
+    def rl_scores(model, config, keys, *, qcfg=None, mode=SiteMode.OFF, implementation="auto"):
         rl_calls.append(mode)
         return {s: 0.5 + 0.1 * len(rl_calls) + 0.01 * i for i, s in enumerate(config.splits)}
 
     cd = quickstart_config.get_config("smoke")
-    cd.eval.splits = ("level1", "aime24")
+    cd.eval.splits = ("level1", "arith_countdown_l2")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rl_sft, "pass_at_1_by_split", sft_scores)
         mp.setattr(rl_loop, "pass_at_1_by_split", rl_scores)
@@ -112,7 +112,7 @@ def test_the_table_holds_what_each_stage_measured(finished):
         assert "code_mismatch" not in metrics[1]  # measured every 2nd step: step 0 only
         assert row["code mismatch"] == metrics[0]["code_mismatch"]
         final = read_rows(str(rl_dir / "rl_eval.jsonl"))[-1]
-        for split in ("level1", "aime24"):
+        for split in ("level1", "arith_countdown_l2"):
             # FP4 rollouts: the SFT policy's NVFP4 score, not its bf16 one.
             assert row[f"{split} pass@1 after SFT"] == sft_eval[split]["pass@1_nvfp4"]
             assert sft_eval[split]["pass@1_nvfp4"] != sft_eval[split]["pass@1_bf16"]

@@ -160,7 +160,9 @@ def test_batch_splits_staleness_and_values_are_checked():
     with pytest.raises(ValueError, match="32 rollouts per step do not split into 3 mini-batches"):
         ExperimentConfig.from_config_dict(cd)
     with pytest.raises(ValueError, match=r"splits must be one or more of .*'aime99'"):
-        EvalConfig(splits=("aime24", "aime99"))
+        EvalConfig(splits=("arith_countdown_l2", "aime99"))
+    with pytest.raises(ValueError, match="'aime24' is now 'arith_countdown_l2'"):
+        EvalConfig(splits=("level1", "aime24"))
     with pytest.raises(ValueError, match=r"invalid RLConfig: method must be one of .*'grpo'"):
         RLConfig(method="grpo")
     with pytest.raises(ValueError, match="invalid SFTConfig: steps must be an int >= 1, got 0"):

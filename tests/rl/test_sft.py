@@ -22,7 +22,7 @@ from trace_jax.rl.workdir import WorkdirConfigError
 def _config(**sft) -> ExperimentConfig:
     cd = tiny.experiment_config()
     cd.sft.update({"steps": 3, "warmup_steps": 1, "log_every": 2, **sft})
-    cd.eval.update(problems_per_split=2, splits=("level1", "aime24"), max_new_tokens=8)
+    cd.eval.update(problems_per_split=2, splits=("level1", "arith_countdown_l2"), max_new_tokens=8)
     return ExperimentConfig.from_config_dict(cd)
 
 
@@ -35,7 +35,7 @@ def sft_run(tmp_path_factory):
 def test_sft_logs_evaluates_and_checkpoints_the_trained_policy(sft_run):
     workdir, rows = sft_run
     config = _config()
-    assert [r["split"] for r in rows] == ["level1", "aime24"]
+    assert [r["split"] for r in rows] == ["level1", "arith_countdown_l2"]
     assert all(r["problems"] == 2 for r in rows)
     assert all(0.0 <= r["pass@1_bf16"] <= 1.0 and 0.0 <= r["pass@1_nvfp4"] <= 1.0 for r in rows)
     assert json.loads((workdir / "sft_eval.json").read_text())["rows"] == rows

@@ -25,7 +25,7 @@ def table_config():
     of 2, evaluated every step, on the shapes of the RL loop's own tests."""
     cd = tiny.experiment_config()
     cd.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
-    cd.eval.update(splits=("level1", "aime24"), problems_per_split=2, max_new_tokens=8)
+    cd.eval.update(splits=("level1", "arith_countdown_l2"), problems_per_split=2, max_new_tokens=8)
     cd.rl.update(
         steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_every=1,
         checkpoint_every=1, learning_rate=1e-2, mismatch_every=0,

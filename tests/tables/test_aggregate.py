@@ -33,18 +33,23 @@ def test_run_statistics_average_logged_steps_then_seeds():
 def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
     """Hardest split: the SFT policy's lowest; "match": run mean >= reference mean - its std."""
     cd = support.table_config()
-    cd.eval.splits = ("level1", "aime24", "aime25")
+    cd.eval.splits = ("level1", "arith_countdown_l2", "arith_countdown_l3")
     table = Table.from_config_dict(cd)
-    # aime25 is the hardest for the SFT policy; aime24 would be for the reference's last eval.
-    support.write_sft_eval(tmp_path, {"bf16": {"level1": 0.1, "aime24": 0.4, "aime25": 0.2}})
+    # _l3 is the hardest for the SFT policy; _l2 would be for the reference's last evaluation.
+    support.write_sft_eval(
+        tmp_path, {"bf16": {"level1": 0.1, "arith_countdown_l2": 0.4, "arith_countdown_l3": 0.2}}
+    )
     ref = {0: [0.30, 0.40, 0.50], 1: [0.34, 0.44, 0.54]}  # per seed, steps 0..2
     run = {0: [0.20, 0.40, 0.60], 1: [0.24, 0.42, 0.50]}
     for label, vals in (("bf16", ref), ("trace", run)):
         for seed, series in vals.items():
-            evals = [{"step": i, "aime24": 0.0, "aime25": v} for i, v in enumerate(series)]
+            evals = [
+                {"step": i, "arith_countdown_l2": 0.0, "arith_countdown_l3": v}
+                for i, v in enumerate(series)
+            ]
             support.write_run_logs(tmp_path, label, seed, evals)
     got = agg.adaptation(table, str(tmp_path))  # trace against bf16 by default
-    assert got["split"] == "aime25"
+    assert got["split"] == "arith_countdown_l3"
     # step 0: 0.22 < 0.32 - 0.028; step 1: 0.41 >= 0.42 - 0.028 -> matched at step 1.
     assert [p["step"] for p in got["points"]] == [0, 1, 2] and got["matched_at"] == 1
     np.testing.assert_allclose(got["points"][1]["ref_std"], np.std([0.40, 0.44], ddof=1))
@@ -52,7 +57,9 @@ def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):
     assert agg.adaptation(table, str(tmp_path), run="qarl", reference="bf16") is None
     # Never within reach: no step.
     for seed in (0, 1):
-        evals = [{"step": i, "aime24": 0.0, "aime25": 0.0} for i in range(3)]
+        evals = [
+            {"step": i, "arith_countdown_l2": 0.0, "arith_countdown_l3": 0.0} for i in range(3)
+        ]
         support.write_run_logs(tmp_path, "trace", seed, evals)
     assert agg.adaptation(table, str(tmp_path))["matched_at"] is None
 
@@ -64,3 +71,28 @@ def test_shared_runs_name_the_run_each_copy_came_from(tmp_path):
             support.write_run_logs(tmp_path, label, seed, [{"step": 2}])
     (tmp_path / "trace" / "seed1" / "same_run_as.txt").write_text("table7_policies/trace/seed1\n")
     assert agg.shared_runs(table, str(tmp_path)) == [("trace", 1, "table7_policies/trace/seed1")]
+
+
+def test_logs_under_older_split_names_aggregate_under_the_current_ones(tmp_path):
+    """Logs that use the older split names (`aime24` for `arith_countdown_l2`) give the table of
+    the same logs under the current names."""
+    table = _table()  # splits level1, arith_countdown_l2; 3 steps, seeds 0 and 1
+    for name in ("aime24", "arith_countdown_l2"):
+        for i, label in enumerate(table.labels):
+            for seed in table.seeds:
+                evals = [{"step": s, "level1": 0.5, name: 0.1 * (s + seed + i)} for s in range(3)]
+                support.write_run_logs(tmp_path / name, label, seed, evals)
+        support.write_sft_eval(tmp_path / name, {"bf16": {"level1": 0.4, name: 0.05}})
+    old, new = str(tmp_path / "aime24"), str(tmp_path / "arith_countdown_l2")
+    rows = agg.aggregate(table, old)
+    assert rows == agg.aggregate(table, new)
+    assert not any("aime24" in key for row in rows for key in row)
+    trace = rows[1]  # final step 2: 0.1 * (2 + seed + 1) for seeds 0, 1
+    assert trace["arith_countdown_l2"] == pytest.approx(0.35)
+    assert trace["arith_countdown_l2_std"] == pytest.approx(np.std([0.3, 0.4], ddof=1))
+    assert trace["average"] == pytest.approx(0.35)
+    assert agg.sft_row(table, old) == agg.sft_row(table, new)
+    assert agg.sft_row(table, old)["arith_countdown_l2"] == 0.05
+    assert agg.adaptation(table, old) == agg.adaptation(table, new)
+    assert agg.adaptation(table, old)["split"] == "arith_countdown_l2"
+    assert agg.curves(table, old) == agg.curves(table, new)

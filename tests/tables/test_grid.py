@@ -7,6 +7,7 @@ import pytest
 from configs import table1_nvfp4, table4_mxfp4, table5_layers, table7_ptq
 from tests.tables import support
 from trace_jax.tables.grid import (
+    BENCHMARK_SPLITS,
     Table,
     benchmark_average,
     benchmark_splits,
@@ -57,7 +58,7 @@ def test_overrides_reach_the_run_config_grpo_fields_included():
         ({"chunk_steps": -1}, "chunk_steps"),
         ({"runs": (("x", {"rl.eval_every": 2}),)}, "multiple of rl.eval_every=2"),
         ({"runs": (("x", {"rl.eval_every": 0}),)}, "rl.eval_every=0"),
-        ({"runs": (("x", {"rl.method": "nope"}),)}, "unknown method 'nope'"),
+        ({"runs": (("x", {"rl.method": "nope"}),)}, r"rl\.method must be one of .*'nope'"),
     ],
 )
 def test_bad_tables_are_refused(section, match):
@@ -98,9 +99,15 @@ def test_shards_partition_the_pairs():
 
 def test_run_dir_and_benchmark_average():
     assert run_dir("w", "trace mxfp4_w4a4", 2) == "w/trace_mxfp4_w4a4/seed2"
-    splits = ("level1", "aime24", "hmmt25")
-    assert benchmark_splits(splits) == ["aime24", "hmmt25"]
-    scores = {"level1": 0.9, "aime24": 0.2, "hmmt25": 0.4}
+    assert BENCHMARK_SPLITS == (
+        "arith_countdown_l2",
+        "arith_countdown_l3",
+        "arith_countdown_l4",
+        "program_l2to4",
+    )
+    splits = ("level1", "arith_countdown_l2", "arith_countdown_l4")
+    assert benchmark_splits(splits) == ["arith_countdown_l2", "arith_countdown_l4"]
+    scores = {"level1": 0.9, "arith_countdown_l2": 0.2, "arith_countdown_l4": 0.4}
     assert benchmark_average(scores, splits) == pytest.approx(0.3)
     with pytest.raises(ValueError, match="no benchmark split"):
         benchmark_splits(("level1",))

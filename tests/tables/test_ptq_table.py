@@ -3,6 +3,9 @@ from RL workdirs and from saved params; per-seed rows kept and reused."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -41,12 +44,12 @@ def test_rows_of_trained_policies(trained_table, tmp_path):
     ]
     for r in rows:
         assert r["seeds"] == 2 and 0.0 <= r["average"] <= 1.0
-        for key in ("level1", "aime24", "average"):
+        for key in ("level1", "arith_countdown_l2", "average"):
             vals = r[f"{key}_seeds"]
             np.testing.assert_allclose(r[key], np.mean(vals))
             np.testing.assert_allclose(r[f"{key}_std"], np.std(vals, ddof=1))
         # The benchmark average, as in every table: level1 (the training distribution) is out.
-        np.testing.assert_allclose(r["average_seeds"], r["aime24_seeds"])
+        np.testing.assert_allclose(r["average_seeds"], r["arith_countdown_l2_seeds"])
     errors = [r["weight_sq_error_seeds"] for r in rows if "weight_sq_error" in r]
     assert len(errors) == 3 and all(e[0] > 0 and e[0] != e[1] for e in errors)  # seeds differ
     for r in rows[1:4]:  # the weight error differs between seeds: its std is not 0
@@ -100,6 +103,19 @@ def test_seed_rows_are_saved_reused_and_recomputed_per_policy(tmp_path, monkeypa
         ptq_table.policy_pairs([], [])
 
 
+def test_seed_rows_kept_under_older_split_names_read_under_the_current_ones(tmp_path):
+    path = ptq_table.seed_rows_path(str(tmp_path), "t7", 0)
+    os.makedirs(os.path.dirname(path))
+    row = {"policy": "b", "aime24": 0.25, "livecodebench": 0.5, "average": 0.375}
+    source = {"policy": "a", "calibration_prompts": 1}
+    with open(path, "w") as f:
+        json.dump({"bf16": {"source": source, "rows": [row]}}, f)
+    got = ptq_table.seed_rows(_config(), str(tmp_path), "t7", 0, "a", "", 1)  # reused, not run
+    assert got == [
+        {"policy": "b", "arith_countdown_l2": 0.25, "program_l2to4": 0.5, "average": 0.375}
+    ]
+
+
 def test_missing_policy_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no policy at"):
         ptq_table.load_policy(_config(), str(tmp_path / "nowhere"))
@@ -107,7 +123,9 @@ def test_missing_policy_is_a_clear_error(tmp_path):
 
 def test_average_is_over_the_benchmark_splits(monkeypatch):
     cd = tiny.experiment_config()
-    cd.eval.update(splits=("level1", "aime24", "aime25"), problems_per_split=1)
+    cd.eval.update(
+        splits=("level1", "arith_countdown_l2", "arith_countdown_l3"), problems_per_split=1
+    )
     scores = iter([0.9, 0.2, 0.4])  # level1 (training distribution) is left out of the average
     monkeypatch.setattr(evaluate, "evaluate_pass_at_1", lambda *a, **k: next(scores))
     row = ptq_table.scores(ExperimentConfig.from_config_dict(cd), None, None, None)

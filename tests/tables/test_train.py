@@ -47,27 +47,28 @@ def test_aggregate_is_mean_and_std_of_the_final_evaluations(trained_table):
             _rows(t.workdir / row["run"] / f"seed{s}" / "rl_eval.jsonl")[-1] for s in (0, 1)
         ]
         assert row["seeds"] == 2 and row["rl.method"] == row["run"]
-        for split in ("level1", "aime24"):
+        for split in ("level1", "arith_countdown_l2"):
             vals = [f[split] for f in finals[row["run"]]]
             assert vals[0] != vals[1]  # the seeds really differ, so mean and std are tested
             np.testing.assert_allclose(row[split], np.mean(vals))
             np.testing.assert_allclose(row[f"{split}_std"], np.std(vals, ddof=1))
         # `average` is over the benchmark splits only: level1 is the training distribution.
-        aime = [f["aime24"] for f in finals[row["run"]]]
-        np.testing.assert_allclose(row["average"], np.mean(aime))
+        bench = [f["arith_countdown_l2"] for f in finals[row["run"]]]
+        np.testing.assert_allclose(row["average"], np.mean(bench))
         assert row["train_rollout_gap_mean"] >= 0.0  # a log statistic of the run
-    assert finals["bf16"][0]["aime24"] != finals["trace"][0]["aime24"]  # each run its own logs
+    # each run its own logs
+    assert finals["bf16"][0]["arith_countdown_l2"] != finals["trace"][0]["arith_countdown_l2"]
     # Where every run started: the SFT policy under bf16 and under NVFP4 execution.
     sft = json.loads((t.workdir / "sft" / "sft_eval.json").read_text())["rows"]
     start = agg.sft_rows(t.table, str(t.workdir))
     assert [r["run"] for r in start] == ["SFT start (bf16)", "SFT start (nvfp4)"]
     assert start[1]["average"] == pytest.approx(
-        next(r["pass@1_nvfp4"] for r in sft if r["split"] == "aime24")
+        next(r["pass@1_nvfp4"] for r in sft if r["split"] == "arith_countdown_l2")
     )
     curves = {c["run"]: c for c in agg.curves(t.table, str(t.workdir))}
     assert curves["trace"]["eval_steps"] == [0, 1, 2] and len(curves["bf16"]["reward"]) == 3
     np.testing.assert_allclose(
-        curves["trace"]["score"][-1], np.mean([f["aime24"] for f in finals["trace"]])
+        curves["trace"]["score"][-1], np.mean([f["arith_countdown_l2"] for f in finals["trace"]])
     )
 
 

@@ -11,7 +11,7 @@ from trace_jax import tasks
 from trace_jax.tasks import expr, splits
 
 N_TRAIN = 3000
-MATH = ("aime24", "aime25", "hmmt25")
+MATH = ("arith_countdown_l2", "arith_countdown_l3", "arith_countdown_l4")
 
 
 def _fingerprint(problems):
@@ -19,18 +19,66 @@ def _fingerprint(problems):
 
 
 def test_names_sizes_and_content():
-    assert tasks.SPLIT_NAMES == ("aime24", "aime25", "hmmt25", "livecodebench", "level1")
+    assert tasks.SPLIT_NAMES == (*MATH, "program_l2to4", "level1")
     all_splits = tasks.eval_splits()
     for name in tasks.SPLIT_NAMES:
         problems = all_splits[name]
         assert len(problems) == tasks.SPLITS[name].size == 96
         assert 64 <= len(problems) <= 128
-    assert {p.task for p in all_splits["livecodebench"]} == {tasks.TaskKind.PROGRAM}
-    for name in MATH:
-        kinds = {p.task for p in all_splits[name]}
-        assert kinds == {tasks.TaskKind.ARITHMETIC, tasks.TaskKind.COUNTDOWN}
+    # Each name says what the split holds: its tasks and levels.
+    programs = all_splits["program_l2to4"]
+    assert {p.task for p in programs} == {tasks.TaskKind.PROGRAM}
+    assert {p.difficulty for p in programs} == {2, 3, 4}
+    for name, level in zip(MATH, (2, 3, 4), strict=True):
+        assert {p.task for p in all_splits[name]} == {
+            tasks.TaskKind.ARITHMETIC,
+            tasks.TaskKind.COUNTDOWN,
+        }
+        assert {p.difficulty for p in all_splits[name]} == {level}
+    assert {p.difficulty for p in all_splits["level1"]} == {1}
     with pytest.raises(ValueError, match="unknown split"):
         tasks.eval_split("gsm8k")
+
+
+def test_benchmark_names_are_kept_for_what_the_splits_stand_in_for():
+    stands_for = {name: spec.stands_for for name, spec in tasks.SPLITS.items()}
+    assert stands_for == {
+        "arith_countdown_l2": "AIME 2024",
+        "arith_countdown_l3": "AIME 2025",
+        "arith_countdown_l4": "HMMT February 2025",
+        "program_l2to4": "LiveCodeBench",
+        "level1": "",
+    }
+    assert splits.split_legend(["arith_countdown_l2", "level1"]) == (
+        "`arith_countdown_l2` (stands in for AIME 2024), `level1` (no paper counterpart)"
+    )
+    # The names older logs use are refused, with what they are called now.
+    assert dict(splits.RENAMED_SPLITS) == {
+        "aime24": "arith_countdown_l2",
+        "aime25": "arith_countdown_l3",
+        "hmmt25": "arith_countdown_l4",
+        "livecodebench": "program_l2to4",
+    }
+    with pytest.raises(ValueError, match="'livecodebench' is now 'program_l2to4'"):
+        tasks.eval_split("livecodebench")
+
+
+def test_log_rows_under_older_split_names_read_under_the_current_ones():
+    scores = {"step": 3, "level1": 0.5, "aime24": 0.25, "hmmt25": 0.125, "livecodebench_std": 0.1}
+    assert splits.with_current_split_names(scores) == {
+        "step": 3,
+        "level1": 0.5,
+        "arith_countdown_l2": 0.25,
+        "arith_countdown_l4": 0.125,
+        "program_l2to4_std": 0.1,
+    }
+    sft_row = {"split": "aime25", "pass@1_bf16": 0.5}
+    assert splits.with_current_split_names(sft_row) == {
+        "split": "arith_countdown_l3",
+        "pass@1_bf16": 0.5,
+    }
+    current = {"split": "level1", "program_l2to4": 0.5}
+    assert splits.with_current_split_names(current) == current
 
 
 def test_splits_are_deterministic():
@@ -47,10 +95,10 @@ def test_splits_are_deterministic():
 
 
 PINNED = {
-    "aime24": ("4-1*7*8=", "-52"),
-    "aime25": ("16-(1+10-13)*10=", "36"),
-    "hmmt25": ("10-3*17+8*18-12=", "91"),
-    "livecodebench": ("f=3;e=f+9;d=f-6;b=e+d;?b", "9"),
+    "arith_countdown_l2": ("4-1*7*8=", "-52"),
+    "arith_countdown_l3": ("16-(1+10-13)*10=", "36"),
+    "arith_countdown_l4": ("10-3*17+8*18-12=", "91"),
+    "program_l2to4": ("f=3;e=f+9;d=f-6;b=e+d;?b", "9"),
     "level1": ("4+9*3=", "31"),
 }
 
@@ -130,7 +178,7 @@ def test_training_stream_is_deterministic_and_mixed():
 
 
 def test_sft_and_prompt_batches():
-    problems = tasks.eval_split("aime24")[:4] + tasks.eval_split("livecodebench")[:4]
+    problems = tasks.eval_split("arith_countdown_l2")[:4] + tasks.eval_split("program_l2to4")[:4]
     batch = tasks.encode_sft_batch(problems)
     assert batch.tokens.dtype == batch.lengths.dtype == batch.prompt_lengths.dtype == np.int32
     assert batch.tokens.shape == (8, int(batch.lengths.max()))

@@ -391,4 +391,5 @@ def _trainer_steps(
                 "time_train_s": t2 - t1 - blocked["read"],
             }
             history.append(metrics_log.write(step, row))
+    trainer.close()  # the last step's background deletion: its failure raises here
     return history

@@ -24,6 +24,7 @@ from trace_jax.quant import QUANT_RECIPES, parse_layer_spec
 from trace_jax.rl.config import GRPOConfig
 from trace_jax.rl.config_dict import Checks, ConfigError, field_defaults, section_config_dict
 from trace_jax.rl.methods import METHODS, MethodSetup, get_method
+from trace_jax.tasks.splits import renamed_split_note
 
 # qwen3_5_35b_a3b: the paper's model shapes, for benchmarks (cut by `n_layers` to fit a GPU).
 MODEL_PRESETS = {
@@ -146,7 +147,13 @@ class EvalConfig:
     """Held-out evaluation: pass@1 over `k` samples of the first `problems_per_split` problems of
     each split (`tasks.SPLIT_NAMES`); temperature 0 is greedy decoding."""
 
-    splits: tuple[str, ...] = ("level1", "aime24", "aime25", "hmmt25", "livecodebench")
+    splits: tuple[str, ...] = (
+        "level1",
+        "arith_countdown_l2",
+        "arith_countdown_l3",
+        "arith_countdown_l4",
+        "program_l2to4",
+    )
     problems_per_split: int = 48
     k: int = 1
     temperature: float = 0.0
@@ -156,7 +163,12 @@ class EvalConfig:
         _tuple(self, "splits")
         c = Checks("EvalConfig")
         ok = bool(self.splits) and all(s in tasks.SPLIT_NAMES for s in self.splits)
-        c.need(ok, "splits", f"must be one or more of {tasks.SPLIT_NAMES}, got {self.splits}")
+        c.need(
+            ok,
+            "splits",
+            f"must be one or more of {tasks.SPLIT_NAMES}, got {self.splits}"
+            + renamed_split_note(self.splits),
+        )
         c.ints(self, ("problems_per_split", "k", "max_new_tokens"), 1)
         c.number(self, "temperature", ">= 0", lambda x: x >= 0)
         c.raise_any()

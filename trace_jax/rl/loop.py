@@ -6,8 +6,9 @@
 Each step: sample `prompts_per_step` training problems x `group_size` with the method's rollout
 recipe (FP4 W/A/KV for the FP4 methods) while capturing guidance (`RolloutWorker`), pass the
 guidance through the tensorstore guidance store (written asynchronously, read back verified and
-version-checked; the writes run behind the reward scoring), score the responses and run the
-method's GRPO update (`Trainer`). Rollout and trainer share one model here; the disaggregated
+version-checked in the background while the trainer trains on the rollout's own device copy, so
+the step waits only for that check), score the responses and run the method's GRPO update
+(`Trainer`). Rollout and trainer share one model here; the disaggregated
 runner (`trace_jax.rl.disaggregated`) runs them as two processes.
 
 Writes into `workdir`: `rl_metrics.jsonl` (per step: reward, response length, train-rollout
@@ -132,6 +133,7 @@ class RLLoop:
             [jax.random.key(step)] * len(splits),
             qcfg=self.setup.rollout_qcfg,
             mode=self.setup.rollout_mode,
+            implementation=self.config.rl.rollout_implementation,
         )
         with MetricsLog(self.workdir, "rl_eval", append=True) as eval_log:
             row = eval_log.write(step, scores)
@@ -189,8 +191,8 @@ class RLLoop:
                     "policy_version": batch.policy_version,
                     "max_staleness_used": rl.grpo.mini_batches - 1,
                     "time_rollout_s": t1 - t0,
-                    # Only the waits count: the writes run behind the reward scoring and the
-                    # earlier mini-batches' reads.
+                    # Only the waits count: the write and its verified read-back run behind the
+                    # trainer's device work.
                     "time_guidance_io_s": t2 - t1 + write_wait + read,
                     "time_guidance_write_s": t2 - t1 + write_wait,  # until committed
                     "time_train_s": t3 - t2 - write_wait - read,

@@ -1,7 +1,8 @@
 """A table from its runs' logs: pass@1 mean +- std over seeds, log statistics, curves.
 
 Everything here reads run logs only (`rl_metrics.jsonl`, `rl_eval.jsonl`, `sft/sft_eval.json`),
-so a table is rebuilt from logs brought back without checkpoints. Nothing is aggregated from an
+so a table is rebuilt from logs brought back without checkpoints; evaluations are read under the
+current split names, also from logs written under older ones. Nothing is aggregated from an
 unfinished run: `aggregate` raises, or with `partial` leaves the unfinished seeds out and says
 how many seeds each row has.
 """
@@ -16,7 +17,8 @@ import numpy as np
 
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.tables.grid import Table, benchmark_average, benchmark_splits, run_dir, sft_dir
-from trace_jax.tables.train import final_eval, finished_seeds
+from trace_jax.tables.train import eval_rows, final_eval, finished_seeds
+from trace_jax.tasks.splits import with_current_split_names
 
 # Training-log statistics of a table's runs (`run_statistics`).
 STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
@@ -91,7 +93,7 @@ def _sft_eval(workdir: str) -> list[dict] | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)["rows"]
+        return [with_current_split_names(r) for r in json.load(f)["rows"]]
 
 
 def sft_row(table: Table, workdir: str, execution: str = "bf16") -> dict | None:
@@ -137,7 +139,7 @@ def adaptation(
         seeds = finished_seeds(table, workdir, label)
         if not seeds:
             return None
-        evals[label] = [_log(run_dir(workdir, label, s), "rl_eval") for s in seeds]
+        evals[label] = [eval_rows(run_dir(workdir, label, s)) for s in seeds]
     bench = benchmark_splits(table.experiment.eval.splits)
     start = sft_row(table, workdir)
     if start is not None:
@@ -192,7 +194,7 @@ def curves(table: Table, workdir: str) -> list[dict]:
         if not dirs:
             continue
         metrics = [_log(d, "rl_metrics") for d in dirs]
-        evals = [_log(d, "rl_eval") for d in dirs]
+        evals = [eval_rows(d) for d in dirs]
         steps = [r["step"] for r in metrics[0]]
         eval_steps = [r["step"] for r in evals[0]]
         row = {"run": label, "steps": steps, "eval_steps": eval_steps}

@@ -13,7 +13,8 @@ plus a `table` section (`table_section`):
 
 A run trains from the table's SFT warm start (`<workdir>/sft`) in `<workdir>/<label>/seed<k>`
 (`run_dir`). Scores are pass@1 per held-out split; `average` is always the mean over the
-paper's benchmark splits (`benchmark_average`), never over `level1`, the training distribution.
+benchmark splits (`BENCHMARK_SPLITS`: those standing in for a paper benchmark,
+`trace_jax.tasks.SplitSpec.stands_for`), never over `level1`, the training distribution.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import numpy as np
 
 from trace_jax.rl.config_dict import from_section, section_config_dict
 from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.tasks.splits import SPLITS
 
-BENCHMARK_SPLITS = ("aime24", "aime25", "hmmt25", "livecodebench")
+BENCHMARK_SPLITS = tuple(name for name, spec in SPLITS.items() if spec.stands_for)
 
 
 def benchmark_splits(splits: Sequence[str]) -> list[str]:
-    """The paper's benchmark splits among `splits`, in their order."""
+    """The benchmark splits (stand-ins for the paper's benchmarks) among `splits`, in their
+    order."""
     bench = [s for s in splits if s in BENCHMARK_SPLITS]
     if not bench:
         raise ValueError(

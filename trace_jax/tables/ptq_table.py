@@ -36,6 +36,7 @@ from trace_jax.rl.evaluate import pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop, step_problems
 from trace_jax.tables.grid import benchmark_average
+from trace_jax.tasks.splits import with_current_split_names
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,8 @@ def seed_rows(
     """Seed `seed`'s rows: the BF16 policy's (`bf16_policy_rows`) then, if given, TRACE's
     (`trace_policy_row`). Each part is kept in the seed's file as soon as it is computed and
     reused when the file holds it for the same policy (and calibration): an interrupted table
-    resumes, and the BF16 part can be evaluated while the TRACE policies still train."""
+    resumes, and the BF16 part can be evaluated while the TRACE policies still train. Rows
+    kept under older split names are read under the current ones."""
     path = seed_rows_path(outdir, name, seed)
     saved = {}
     if os.path.exists(path):
@@ -183,7 +185,7 @@ def seed_rows(
             with open(path + ".tmp", "w") as f:
                 json.dump(saved, f, indent=1)
             os.replace(path + ".tmp", path)  # a seed's file is whole or absent
-        rows += saved[part]["rows"]
+        rows += [with_current_split_names(r) for r in saved[part]["rows"]]
     return rows
 
 

@@ -3,6 +3,8 @@
 Each chunk is `RLLoop(config, run_dir).run(stop_after=chunk_steps)`: it resumes from the run's
 last checkpoint, so a stopped driver (a deadline, a lost machine) continues where it was. A run
 is finished once its final evaluation (at step `steps - 1`) is in its `rl_eval.jsonl`.
+Evaluations are read with the current split names, also from logs written under older ones
+(`trace_jax.tasks.splits.RENAMED_SPLITS`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.sft import sft_or_reuse
 from trace_jax.tables.grid import Table, run_dir, sft_dir
+from trace_jax.tasks.splits import with_current_split_names
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,16 @@ def steps_done(directory: str) -> int:
     return len({r["step"] for r in rows})
 
 
+def eval_rows(directory: str) -> list[dict]:
+    """The run's evaluations (`rl_eval.jsonl` in the run directory `directory`: per evaluation
+    step, `step` and pass@1 by split), under the current split names."""
+    rows = read_rows(os.path.join(directory, "rl_eval.jsonl"), missing_ok=True)
+    return [with_current_split_names(r) for r in rows]
+
+
 def final_eval(directory: str, steps: int) -> dict | None:
     """The run's evaluation of its finished policy (at step `steps - 1`), or None."""
-    rows = read_rows(os.path.join(directory, "rl_eval.jsonl"), missing_ok=True)
-    rows = [r for r in rows if r["step"] == steps - 1]
+    rows = [r for r in eval_rows(directory) if r["step"] == steps - 1]
     return rows[-1] if rows else None
 
 

@@ -1,15 +1,18 @@
-"""The training stream and the fixed held-out test splits (stand-ins for the paper's benchmarks).
+"""The training stream and the fixed held-out test splits, named by task and level.
 
-| split           | stands for     | content                                        |
-| --------------- | -------------- | ---------------------------------------------- |
-| `aime24`        | AIME 2024      | 48 arithmetic + 48 countdown, level 2          |
-| `aime25`        | AIME 2025      | 48 arithmetic + 48 countdown, level 3          |
-| `hmmt25`        | HMMT Feb 2025  | 48 arithmetic + 48 countdown, level 4          |
-| `livecodebench` | LiveCodeBench  | 32 programs each at levels 2, 3, 4             |
-| `level1`        | (none)         | 32 each of arithmetic, countdown, program, L1  |
+| split                | content                                        | stands in for  |
+| -------------------- | ---------------------------------------------- | -------------- |
+| `arith_countdown_l2` | 48 arithmetic + 48 countdown, level 2          | AIME 2024      |
+| `arith_countdown_l3` | 48 arithmetic + 48 countdown, level 3          | AIME 2025      |
+| `arith_countdown_l4` | 48 arithmetic + 48 countdown, level 4          | HMMT Feb 2025  |
+| `program_l2to4`      | 32 programs each at levels 2, 3, 4             | LiveCodeBench  |
+| `level1`             | 32 each of arithmetic, countdown, program, L1  | (none)         |
 
-`level1` has no counterpart in the paper: it is the in-distribution check of the CPU quickstart,
-whose `tiny` model learns level 1 but not the harder splits.
+The first four are the benchmark splits: generated problems that take the place of the paper's
+benchmarks in its tables (`SplitSpec.stands_for`, shown by `split_legend`); real benchmark
+names are kept for real benchmark files. `level1` has no counterpart in the paper: it is the
+in-distribution check of the CPU quickstart, whose `tiny` model learns level 1 but not the
+harder splits.
 
 Splits are generated from fixed seeds, in this order, with every prompt unique across all of
 them; `train_stream` skips any held-out prompt, so training never sees a test problem.
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -32,7 +36,8 @@ _TEST_ENTROPY = 0x7465_7374  # "test": seeds of the held-out splits
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SplitSpec:
-    """A held-out split: `parts` are (task, level, count), generated from `seed`."""
+    """A held-out split: `parts` are (task, level, count), generated from `seed`;
+    `stands_for` names the paper benchmark it takes the place of ("" for none)."""
 
     name: str
     stands_for: str
@@ -52,11 +57,11 @@ def _math(name: str, stands_for: str, level: int, seed: int) -> SplitSpec:
 SPLITS = {
     s.name: s
     for s in (
-        _math("aime24", "AIME 2024", level=2, seed=2024),
-        _math("aime25", "AIME 2025", level=3, seed=2025),
-        _math("hmmt25", "HMMT February 2025", level=4, seed=2502),
+        _math("arith_countdown_l2", "AIME 2024", level=2, seed=2024),
+        _math("arith_countdown_l3", "AIME 2025", level=3, seed=2025),
+        _math("arith_countdown_l4", "HMMT February 2025", level=4, seed=2502),
         SplitSpec(
-            name="livecodebench",
+            name="program_l2to4",
             stands_for="LiveCodeBench",
             parts=tuple((TaskKind.PROGRAM, level, 32) for level in (2, 3, 4)),
             seed=5000,
@@ -64,13 +69,60 @@ SPLITS = {
         # Last, so adding it left the splits above unchanged.
         SplitSpec(
             name="level1",
-            stands_for="(in-distribution check, no paper counterpart)",
+            stands_for="",
             parts=tuple((task, 1, 32) for task in TaskKind),
             seed=1,
         ),
     )
 }
 SPLIT_NAMES = tuple(SPLITS)
+
+# The names older run logs and result files use for the benchmark splits (the benchmarks they
+# stand in for); readers of such files map them with `with_current_split_names`.
+RENAMED_SPLITS = types.MappingProxyType(
+    {
+        "aime24": "arith_countdown_l2",
+        "aime25": "arith_countdown_l3",
+        "hmmt25": "arith_countdown_l4",
+        "livecodebench": "program_l2to4",
+    }
+)
+
+
+def renamed_split_note(names: Iterable[str]) -> str:
+    """For an error message: `; 'aime24' is now 'arith_countdown_l2'` for each old name among
+    `names`, "" when there are none."""
+    old = [n for n in names if n in RENAMED_SPLITS]
+    return "".join(f"; {n!r} is now {RENAMED_SPLITS[n]!r}" for n in old)
+
+
+def with_current_split_names(row: Mapping) -> dict:
+    """A log row (an evaluation's scores by split, or a row with a `split` field) with every
+    old split name (`RENAMED_SPLITS`, also in `<split>_*` keys) replaced by its current one."""
+
+    def current(key):
+        if not isinstance(key, str):
+            return key
+        for old, new in RENAMED_SPLITS.items():
+            if key == old or key.startswith(old + "_"):
+                return new + key[len(old) :]
+        return key
+
+    out = {current(k): v for k, v in row.items()}
+    if "split" in out:
+        out["split"] = current(out["split"])
+    return out
+
+
+def split_legend(names: Iterable[str]) -> str:
+    """What each split stands in for, for a table's notes: "`arith_countdown_l2` (stands in
+    for AIME 2024), ..., `level1` (no paper counterpart)"."""
+    parts = []
+    for name in names:
+        stands_for = SPLITS[name].stands_for
+        what = f"stands in for {stands_for}" if stands_for else "no paper counterpart"
+        parts.append(f"`{name}` ({what})")
+    return ", ".join(parts)
 
 
 @functools.cache
@@ -96,7 +148,9 @@ def _all_splits() -> dict[str, tuple[Problem, ...]]:
 def eval_split(name: str) -> list[Problem]:
     """The held-out split `name` (see `SPLIT_NAMES`): the same list on every call."""
     if name not in SPLITS:
-        raise ValueError(f"unknown split {name!r}; expected one of {SPLIT_NAMES}")
+        raise ValueError(
+            f"unknown split {name!r}; expected one of {SPLIT_NAMES}{renamed_split_note([name])}"
+        )
     return list(_all_splits()[name])
 
 
