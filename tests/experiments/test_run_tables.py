@@ -11,7 +11,8 @@ from trace_jax.tables.queue import Job
 
 def test_load_table_applies_the_jobs_config_overrides():
     job = Job("configs/table5_layers.py", "table5_layers", "trace half", 1, 1, 3)
-    extra = ["--config.rl.steps=4", "--config.rl.eval_every=2", "--other_flag=1"]
+    extra = ["--config.rl.steps=4", "--config.rl.warmup_steps=1", "--config.rl.eval_every=2"]
+    extra.append("--other_flag=1")
     argv = job.command("/r", run_tables.TABLE_DRIVER, extra)
     # What the job's entry point sees: its own `--config.*` flags and the extra ones.
     cd = run_tables.load_table(job.config_path, [a for a in argv if a.startswith("--config.")])

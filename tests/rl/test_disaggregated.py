@@ -21,7 +21,7 @@ import pytest
 from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
-from trace_jax.rl import disaggregated
+from trace_jax.rl import disaggregated, workers
 from trace_jax.rl.disaggregated import (
     Heartbeat,
     PartnerGoneError,
@@ -126,6 +126,12 @@ def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeyp
         return commit(*a)
 
     monkeypatch.setattr(store.writer, "commit", slow_commit)
+    # The stand-in rollout is no pytree: split it without the jitted dispatch.
+    monkeypatch.setattr(
+        workers,
+        "split_rollout",
+        lambda r, parts: [r.rows(s) for s in workers.mini_batch_slices(r.tokens.shape[0], parts)],
+    )
     published = []
     monkeypatch.setattr(
         disaggregated,
