@@ -62,3 +62,23 @@ def test_batch_right_padding():
     assert padded.shape == (1, 5)
     with pytest.raises(ValueError, match="pad_to=1"):
         TOKENIZER.encode_batch(["12"], pad_to=1)
+
+
+def test_the_pipeline_interface():
+    """What `trace_jax.data.Tokenizer` asks: stop and pad ids, prompts as BOS + question, and a
+    response's text up to EOS (None when cut off or when a non-text id precedes EOS)."""
+    assert (TOKENIZER.stop_ids, TOKENIZER.pad_id, TOKENIZER.bos_id) == ((2,), 0, 1)
+    assert TOKENIZER.prompt_ids("1+2=").tolist() == [tk.BOS_ID, 5, 14, 6, 20]
+    body = TOKENIZER.encode("1+2=3>3").tolist()
+    assert TOKENIZER.response_text([*body, tk.EOS_ID, 9, tk.PAD_ID]) == "1+2=3>3"
+    assert TOKENIZER.response_text(body) is None
+    for bad in ([tk.PAD_ID], [tk.BOS_ID], [tk.VOCAB_SIZE], [-1]):
+        assert TOKENIZER.response_text([*body, *bad, tk.EOS_ID]) is None
+    assert TOKENIZER.response_text(np.array([[5, tk.EOS_ID]])) is None
+    assert TOKENIZER.response_text(["a", "b"]) is None
+
+
+def test_pad_batch_takes_the_filler():
+    tokens, lengths = tk.pad_batch([np.array([5, 6]), np.array([7])], pad_id=9, pad_to=3)
+    np.testing.assert_array_equal(tokens, [[5, 6, 9], [7, 9, 9]])
+    np.testing.assert_array_equal(lengths, [2, 1])

@@ -134,6 +134,18 @@ def test_format_reward():
         tasks.reward(ARITH, ">6", format_weight=1.5)
 
 
+def test_a_score_is_its_reward():
+    """`Score.reward` (what every verifier's scores become): 1 when correct, the format weight
+    when only well formed, else 0; the format weight is checked for any score."""
+    assert tasks.Score("6", True, True).reward(0.3) == 1.0
+    assert tasks.Score("7", True, False).reward(0.3) == 0.3
+    assert tasks.Score("7", True, False).reward() == 0.0
+    assert tasks.Score(None, False, False).reward(0.3) == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"format_weight must be in \[0, 1\]"):
+            tasks.Score(None, False, False).reward(bad)
+
+
 def test_fuzz_random_ids_never_raise():
     rng = np.random.default_rng(0)
     marker_rows = 0

@@ -1,8 +1,13 @@
-"""Held-out evaluation: pass@1 of a policy on the task splits, averaged over k samples."""
+"""Held-out evaluation: pass@1 of a policy on the held-out sets, averaged over k samples.
+
+suite = EvalSuite.from_config(config)          # the sets, tokenizer and verifier of a run
+scores = pass_at_1_by_split(model, suite, keys)  # set name -> pass@1
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,18 +15,60 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trace_jax import tasks
+from trace_jax import data
 from trace_jax.models import Qwen3MoE, resolve_implementation
 from trace_jax.quant import QuantConfig, SiteMode
-from trace_jax.rl.experiment import EvalConfig
+from trace_jax.rl.experiment import EvalConfig, ExperimentConfig
 from trace_jax.rollout import SamplingConfig, generate
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSuite:
+    """A run's held-out evaluation, resolved from its config.
+
+    config: the `eval` section (k, temperature, max_new_tokens). sets: set name -> its examples
+    (the first `problems_per_split`). tokenizer, verifier: the run's (`tasks` section).
+    """
+
+    config: EvalConfig
+    sets: Mapping[str, Sequence[data.Example]]
+    tokenizer: data.Tokenizer
+    verifier: data.Verifier
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """The set names, in evaluation order."""
+        return tuple(self.sets)
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig) -> EvalSuite:
+        """The held-out sets of `config.eval` with the tokenizer and verifier of
+        `config.tasks`. Raises ValueError when the tokenizer's ids do not fit the model, or the
+        synthetic verifier would check examples from files."""
+        if config.eval.files and config.tasks.verifier == "synthetic":
+            raise ValueError(
+                "eval.files need a verifier for examples from files: set tasks.verifier='math'"
+            )
+        tokenizer = config.tasks.make_tokenizer()
+        data.check_vocab(tokenizer, config.model.vocab_size)
+        ev = config.eval
+        return cls(
+            config=ev,
+            sets=data.held_out_sets(
+                ev.splits, ev.files, config.tasks.layout(), ev.problems_per_split
+            ),
+            tokenizer=tokenizer,
+            verifier=config.tasks.make_verifier(),
+        )
 
 
 def evaluate_pass_at_1(
     model: Qwen3MoE,
-    problems: Sequence[tasks.Problem],
+    problems: Sequence[data.Example],
     key: jax.Array,
     *,
+    tokenizer: data.Tokenizer,
+    verifier: data.Verifier,
     k: int = 1,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -29,7 +76,8 @@ def evaluate_pass_at_1(
     mode: SiteMode = SiteMode.OFF,
     implementation: str = "auto",
 ) -> float:
-    """Mean over problems of the mean exact-answer reward of `k` samples (greedy when T = 0).
+    """Mean over examples of the mean reward (format weight 0: 1 when `verifier` accepts the
+    answer, else 0) of `k` samples (greedy when T = 0).
 
     `qcfg`/`mode` choose the execution: SiteMode.OFF is bf16, SiteMode.RTN the FP4 policy;
     `implementation` the sampler's kernels ("auto": the Pallas kernels on a GPU, XLA elsewhere;
@@ -38,17 +86,17 @@ def evaluate_pass_at_1(
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     repeated = [p for p in problems for _ in range(k)]
-    longest = max(len(tasks.prompt_ids(p)) for p in repeated)
-    # Prompt widths bucketed to powers of two: the splits share a few compiled samplers.
-    prompts, lengths = tasks.encode_prompts(
-        repeated, pad_to=max(16, 1 << (longest - 1).bit_length())
+    longest = max(len(tokenizer.prompt_ids(p.question)) for p in problems)
+    # Prompt widths bucketed to powers of two: the sets share a few compiled samplers.
+    prompts, lengths = data.encode_prompts(
+        repeated, pad_to=max(16, 1 << (longest - 1).bit_length()), tokenizer=tokenizer
     )
     graphdef, params = nnx.split(model)
     sampling = SamplingConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        stop_tokens=(tasks.EOS_ID,),
-        pad_id=tasks.PAD_ID,
+        stop_tokens=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
     )
     roll = generate(
         graphdef,
@@ -61,42 +109,44 @@ def evaluate_pass_at_1(
         mode=mode,
         implementation=resolve_implementation(implementation).value,
     )
-    responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
-    rewards = tasks.batch_rewards(repeated, responses)
-    return float(tasks.pass_at_1(np.asarray(rewards).reshape(len(problems), k)))
+    responses = data.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+    rewards = data.compute_rewards(repeated, responses, tokenizer=tokenizer, verifier=verifier)
+    return float(data.pass_at_1(np.asarray(rewards).reshape(len(problems), k)))
 
 
 def pass_at_1_by_split(
     model: Qwen3MoE,
-    config: EvalConfig,
+    suite: EvalSuite,
     keys: Sequence[jax.Array],
     *,
     qcfg: QuantConfig | None = None,
     mode: SiteMode = SiteMode.OFF,
     implementation: str = "auto",
 ) -> dict[str, float]:
-    """Split -> pass@1 (`evaluate_pass_at_1`, `implementation` as there) on the first
-    `config.problems_per_split` problems of each of `config.splits`, split i sampled with
-    `keys[i]`."""
-    if len(keys) != len(config.splits):
-        raise ValueError(f"{len(keys)} PRNG keys for {len(config.splits)} splits")
-    splits = tqdm(
-        zip(config.splits, keys, strict=True),
-        total=len(config.splits),
+    """Set name -> pass@1 (`evaluate_pass_at_1`, `implementation` as there) on each of
+    `suite.sets`, set i sampled with `keys[i]`."""
+    if len(keys) != len(suite.splits):
+        raise ValueError(f"{len(keys)} PRNG keys for {len(suite.splits)} held-out sets")
+    ev = suite.config
+    sets = tqdm(
+        zip(suite.splits, keys, strict=True),
+        total=len(suite.splits),
         desc=f"eval ({'bf16' if mode is SiteMode.OFF else 'fp4'})",
         leave=False,
     )
     return {
         name: evaluate_pass_at_1(
             model,
-            tasks.eval_split(name)[: config.problems_per_split],
+            suite.sets[name],
             key,
-            k=config.k,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
+            tokenizer=suite.tokenizer,
+            verifier=suite.verifier,
+            k=ev.k,
+            max_new_tokens=ev.max_new_tokens,
+            temperature=ev.temperature,
             qcfg=qcfg,
             mode=mode,
             implementation=implementation,
         )
-        for name, key in splits
+        for name, key in sets
     }

@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from trace_jax import tasks
+from trace_jax import data, tasks
 from trace_jax.models import IMPLEMENTATION_SETTINGS, ModelConfig
 from trace_jax.quant import QUANT_RECIPES, parse_layer_spec
 from trace_jax.rl.config import GRPOConfig
@@ -79,39 +79,92 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Training problems: task kinds (`tasks.TASKS`) at difficulty levels (`tasks.LEVELS`)."""
+    """The training prompts, their tokenizer and their verifier (`trace_jax.data`'s kinds).
 
+    dataset: "synthetic" (the generated tasks `kinds`, `tasks.TASKS`, at difficulty `levels`,
+      `tasks.LEVELS`) or "file" (the JSONL / Parquet `train_file`).
+    question_field, answer_field, solution_field, answer_extractor: where a file's records keep
+      an example (`trace_jax.data.FileLayout`; solution_field "" = none, which rules out SFT).
+    tokenizer: "char" (the generated tasks' 52 ids) or "hf" (the directory `tokenizer_dir`).
+    verifier: "synthetic" (the tasks' exact checker) or "math" (math_verify).
+    """
+
+    dataset: str = "synthetic"
     kinds: tuple[str, ...] = ("arithmetic", "countdown", "program")
     levels: tuple[int, ...] = (1,)
+    train_file: str = ""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    solution_field: str = ""
+    answer_extractor: str = "none"
+    tokenizer: str = "char"
+    tokenizer_dir: str = ""
+    verifier: str = "synthetic"
 
     def __post_init__(self):
         _tuple(self, "kinds")
         _tuple(self, "levels")
         c = Checks("TaskConfig")
+        c.one_of(self, "dataset", data.DATASET_KINDS)
+        c.one_of(self, "tokenizer", data.TOKENIZER_KINDS)
+        c.one_of(self, "verifier", data.VERIFIER_KINDS)
+        c.one_of(self, "answer_extractor", data.ANSWER_EXTRACTORS)
         for name, known in (("kinds", tasks.TASKS), ("levels", tasks.LEVELS)):
             value = getattr(self, name)
             ok = bool(value) and all(v in known for v in value)
             c.need(ok, name, f"must be one or more of {tuple(known)}, got {value}")
+        if self.dataset == "file":
+            _check_path(c, "train_file", data.check_examples_path, self.train_file)
+            for name in ("question_field", "answer_field"):
+                c.need(bool(getattr(self, name)), name, "must name a field, got ''")
+            c.need(
+                self.verifier != "synthetic",
+                "verifier",
+                "must be 'math' for dataset 'file' (the synthetic verifier checks generated "
+                "problems only)",
+            )
+        if self.tokenizer == "hf":
+            _check_path(c, "tokenizer_dir", data.check_tokenizer_dir, self.tokenizer_dir)
         c.raise_any()
+
+    def layout(self) -> data.FileLayout:
+        """Where this config's example files keep questions, answers and solutions."""
+        return data.FileLayout(
+            question_field=self.question_field,
+            answer_field=self.answer_field,
+            solution_field=self.solution_field,
+            answer_extractor=self.answer_extractor,
+        )
+
+    def make_tokenizer(self) -> data.Tokenizer:
+        return data.load_tokenizer(self.tokenizer, self.tokenizer_dir)
+
+    def make_dataset(self) -> data.PromptDataset:
+        kw = dict(kinds=self.kinds, levels=self.levels, path=self.train_file)
+        return data.make_dataset(self.dataset, layout=self.layout(), **kw)
+
+    def make_verifier(self) -> data.Verifier:
+        return data.make_verifier(self.verifier)
 
     @property
     def prompt_width(self) -> int:
-        """Tokens of the longest prompt (BOS included) of these kinds and levels: every RL step
+        """Tokens of the longest training prompt (BOS or chat template included): every RL step
         pads its prompts to it, so the sampler compiles once."""
-        return 1 + max(
-            tasks.level_spec(t, lv).max_prompt_tokens for t in self.kinds for lv in self.levels
-        )
+        return self.make_dataset().prompt_width(self.make_tokenizer())
 
     @property
     def sft_row_length(self) -> int:
-        """Tokens of an SFT row (BOS + prompt + solution + EOS) at these levels, for one compile.
-        Taken over every task, not only `kinds`, so that every task mix shares the shape."""
-        caps = [
-            tasks.level_spec(t, lv).max_prompt_tokens + tasks.level_spec(t, lv).max_solution_tokens
-            for t in tasks.TASKS
-            for lv in self.levels
-        ]
-        return max(caps) + 2
+        """Tokens of the longest SFT row (prompt + solution + EOS), for one compile (for the
+        generated tasks, over every task at these levels: every task mix shares the shape)."""
+        return self.make_dataset().sft_row_length(self.make_tokenizer())
+
+
+def _check_path(c: Checks, setting: str, check, path: str) -> None:
+    """Records `check(path)`'s ValueError as a problem of `setting`."""
+    try:
+        check(path)
+    except ValueError as e:
+        c.need(False, setting, str(e))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,7 +198,9 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Held-out evaluation: pass@1 over `k` samples of the first `problems_per_split` problems of
-    each split (`tasks.SPLIT_NAMES`); temperature 0 is greedy decoding."""
+    each set, the generated splits `splits` (`tasks.SPLIT_NAMES`) and the example files `files`
+    (JSONL / Parquet in the `tasks` section's layout, each named by its file name without the
+    suffix); temperature 0 is greedy decoding."""
 
     splits: tuple[str, ...] = (
         "level1",
@@ -154,6 +209,7 @@ class EvalConfig:
         "arith_countdown_l4",
         "program_l2to4",
     )
+    files: tuple[str, ...] = ()
     problems_per_split: int = 48
     k: int = 1
     temperature: float = 0.0
@@ -161,17 +217,32 @@ class EvalConfig:
 
     def __post_init__(self):
         _tuple(self, "splits")
+        _tuple(self, "files")
         c = Checks("EvalConfig")
-        ok = bool(self.splits) and all(s in tasks.SPLIT_NAMES for s in self.splits)
+        ok = all(s in tasks.SPLIT_NAMES for s in self.splits)
         c.need(
             ok,
             "splits",
             f"must be one or more of {tasks.SPLIT_NAMES}, got {self.splits}"
             + renamed_split_note(self.splits),
         )
+        for path in self.files:
+            _check_path(c, "files", data.check_examples_path, path)
+        names = self.set_names
+        c.need(bool(names), ("splits", "files"), "name no held-out set")
+        c.need(
+            len(set(names)) == len(names),
+            ("splits", "files"),
+            f"must name distinct sets (a file is named by its file name), got {names}",
+        )
         c.ints(self, ("problems_per_split", "k", "max_new_tokens"), 1)
         c.number(self, "temperature", ">= 0", lambda x: x >= 0)
         c.raise_any()
+
+    @property
+    def set_names(self) -> tuple[str, ...]:
+        """The held-out sets' names: `splits`, then each file's name without its suffix."""
+        return (*self.splits, *map(data.held_out_name, self.files))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

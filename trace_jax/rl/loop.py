@@ -33,7 +33,7 @@ from tqdm import tqdm
 from trace_jax.faults import maybe_die
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.rl.checkpoint import checkpoint_manager, restore_train_state, save_train_state
-from trace_jax.rl.evaluate import pass_at_1_by_split
+from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog, drop_rows_from
 from trace_jax.rl.sharding import experiment_mesh
@@ -126,11 +126,11 @@ class RLLoop:
     def evaluate(self, step: int) -> dict:
         """pass@1 per held-out split of the policy in its rollout execution (the method's FP4
         recipe); appends the row (`step` and split -> pass@1) to `rl_eval.jsonl`."""
-        splits = self.config.eval.splits
+        suite = EvalSuite.from_config(self.config)
         scores = pass_at_1_by_split(
             self.model,
-            self.config.eval,
-            [jax.random.key(step)] * len(splits),
+            suite,
+            [jax.random.key(step)] * len(suite.splits),
             qcfg=self.setup.rollout_qcfg,
             mode=self.setup.rollout_mode,
             implementation=self.config.rl.rollout_implementation,

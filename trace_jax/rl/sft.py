@@ -1,11 +1,11 @@
-"""Supervised warm start on worked solutions, then pass@1 on the held-out splits.
+"""Supervised warm start on worked solutions, then pass@1 on the held-out sets.
 
   rows = run_sft(ExperimentConfig.from_config_dict(cd), workdir)
 
 Writes into `workdir`: `sft_metrics.jsonl` (a row every `sft.log_every` steps and at the last;
 TensorBoard scalars under `tensorboard/`), the orbax checkpoint `sft_checkpoint/` (the model's
 `nnx.Param` state: what `rl.init_from` names), `sft_eval.json` (`{"rows": [...]}`, pass@1 per
-split with bf16 and with NVFP4 W/A/KV execution) and the stage's settings `sft_config.json`
+held-out set with bf16 and with NVFP4 W/A/KV execution) and the stage's settings `sft_config.json`
 (`trace_jax.rl.workdir`: a workdir of an SFT stage with other settings is refused, never
 retrained over or reused).
 """
@@ -24,12 +24,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from trace_jax import tasks
+from trace_jax import data
 from trace_jax.models import Qwen3MoE, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rl.checkpoint import save_params
 from trace_jax.rl.config import GRPOConfig, make_optimizer
-from trace_jax.rl.evaluate import pass_at_1_by_split
+from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.step import sft_step
@@ -43,12 +43,13 @@ MAX_ROW_TOKENS = 4096
 
 
 def evaluate_sft(model: Qwen3MoE, config: ExperimentConfig, key: jax.Array) -> list[dict]:
-    """Rows `{"split", "problems", "pass@1_bf16", "pass@1_nvfp4"}`: pass@1 per held-out split with
-    bf16 and with NVFP4 W/A/KV execution (split i sampled with `fold_in(key, i)` in both)."""
-    ev = config.eval
-    keys = [jax.random.fold_in(key, i) for i in range(len(ev.splits))]
+    """Rows `{"split", "problems", "pass@1_bf16", "pass@1_nvfp4"}`: pass@1 per held-out set
+    (`EvalSuite`) with bf16 and with NVFP4 W/A/KV execution (set i sampled with `fold_in(key, i)`
+    in both)."""
+    suite = EvalSuite.from_config(config)
+    keys = [jax.random.fold_in(key, i) for i in range(len(suite.splits))]
     scores = {
-        label: pass_at_1_by_split(model, ev, keys, qcfg=qcfg, mode=mode)
+        label: pass_at_1_by_split(model, suite, keys, qcfg=qcfg, mode=mode)
         for label, qcfg, mode in (
             ("bf16", QuantConfig.bf16(), SiteMode.OFF),
             ("nvfp4", QuantConfig.nvfp4(), SiteMode.RTN),
@@ -57,20 +58,28 @@ def evaluate_sft(model: Qwen3MoE, config: ExperimentConfig, key: jax.Array) -> l
     return [
         {
             "split": name,
-            "problems": len(tasks.eval_split(name)[: ev.problems_per_split]),
+            "problems": len(suite.sets[name]),
             **{f"pass@1_{label}": s[name] for label, s in scores.items()},
         }
-        for name in ev.splits
+        for name in suite.splits
     ]
 
 
 def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
-    """Trains `config.sft.steps` steps from a fresh `config.model`, checkpoints it, evaluates
-    it; returns the evaluation rows (`evaluate_sft`). Raises FloatingPointError on a non-finite
-    logged loss, `WorkdirConfigError` (before any work) when `workdir` holds an SFT stage of
-    other settings."""
-    guard_workdir(workdir, "sft", config)
+    """Trains `config.sft.steps` steps from a fresh `config.model` on the worked solutions of
+    the training dataset (`config.tasks`), checkpoints it, evaluates it; returns the evaluation
+    rows (`evaluate_sft`). Raises FloatingPointError on a non-finite logged loss, and before
+    any work (ValueError) when the examples carry no worked solutions or the tokenizer's ids do
+    not fit the model, then (`WorkdirConfigError`) when `workdir` holds an SFT stage of other
+    settings."""
     sft = config.sft
+    tokenizer = config.tasks.make_tokenizer()
+    data.check_vocab(tokenizer, config.model.vocab_size)
+    dataset = config.tasks.make_dataset()
+    pad_to = dataset.sft_row_length(tokenizer)
+    if pad_to > MAX_ROW_TOKENS:
+        raise ValueError(f"SFT rows of {pad_to} tokens exceed {MAX_ROW_TOKENS}")
+    guard_workdir(workdir, "sft", config)
     model = init_model(config.model, seed=config.seed)
     opt_cfg = GRPOConfig(
         learning_rate=sft.learning_rate,
@@ -78,15 +87,12 @@ def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
         weight_decay=sft.weight_decay,
     )
     optimizer = nnx.Optimizer(model, make_optimizer(opt_cfg, sft.steps), wrt=nnx.Param)
-    stream = tasks.train_stream(config.seed, tasks=config.tasks.kinds, levels=config.tasks.levels)
-    pad_to = config.tasks.sft_row_length
-    if pad_to > MAX_ROW_TOKENS:
-        raise ValueError(f"SFT rows of {pad_to} tokens exceed {MAX_ROW_TOKENS}")
+    stream = dataset.stream(config.seed)
     with MetricsLog(workdir, "sft_metrics") as metrics_log:
         bar = tqdm(range(sft.steps), desc="sft")
         for step in bar:
-            batch = tasks.encode_sft_batch(
-                list(itertools.islice(stream, sft.batch_size)), pad_to=pad_to
+            batch = data.encode_sft_batch(
+                list(itertools.islice(stream, sft.batch_size)), pad_to=pad_to, tokenizer=tokenizer
             )
             metrics = sft_step(
                 model,

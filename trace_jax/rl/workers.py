@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax import tasks
+from trace_jax import data
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
 from trace_jax.models import Qwen3MoE, init_model, resolve_implementation
@@ -58,19 +57,23 @@ from trace_jax.rollout import Rollout, SamplingConfig, generate
 log = logging.getLogger(__name__)
 
 
-def step_problems(config: ExperimentConfig, step: int, n: int) -> list[tasks.Problem]:
-    """The first `n` training problems of step `step` (kinds and levels of `config.tasks`): a
-    pure function of (seed, step), so a resumed run replays them."""
-    stream = tasks.train_stream(
-        config.seed * 1_000_003 + step, tasks=config.tasks.kinds, levels=config.tasks.levels
-    )
-    return list(itertools.islice(stream, n))
+def step_problems(config: ExperimentConfig, step: int, n: int) -> list[data.Example]:
+    """The first `n` training examples of step `step` (the dataset of `config.tasks`): a pure
+    function of (seed, step), so a resumed run replays them."""
+    return config.tasks.make_dataset().step_examples(config.seed, step, n)
 
 
-def group_problems(config: ExperimentConfig, step: int) -> list[tasks.Problem]:
-    """Step `step`'s rollout rows: its `prompts_per_step` problems, each `group_size` times."""
+def group_problems(config: ExperimentConfig, step: int) -> list[data.Example]:
+    """Step `step`'s rollout rows: its `prompts_per_step` examples, each `group_size` times."""
     g = config.rl.grpo.group_size
     return [p for p in step_problems(config, step, config.rl.prompts_per_step) for _ in range(g)]
+
+
+def run_tokenizer(config: ExperimentConfig) -> data.Tokenizer:
+    """The tokenizer of `config.tasks`; ValueError when its ids do not fit `config.model`."""
+    tokenizer = config.tasks.make_tokenizer()
+    data.check_vocab(tokenizer, config.model.vocab_size)
+    return tokenizer
 
 
 def mini_batch_slices(n: int, parts: int) -> list[slice]:
@@ -123,9 +126,10 @@ class RolloutWorker:
     the method's guidance, and publishes that guidance to the store.
 
     Attributes: config, model (updated in place by whoever owns the policy), setup, mesh,
-    sampling (`SamplingConfig` of `config.rl`), prompt_width (every step pads its prompts to it:
-    one compiled sampler), implementation (the sampler's kernels, "pallas" or "xla":
-    `rl.rollout_implementation` resolved on this process's devices).
+    tokenizer (`config.tasks`'), sampling (`SamplingConfig` of `config.rl`, the tokenizer's stop
+    and pad ids), prompt_width (every step pads its prompts to it: one compiled sampler),
+    implementation (the sampler's kernels, "pallas" or "xla": `rl.rollout_implementation`
+    resolved on this process's devices).
     """
 
     def __init__(
@@ -136,13 +140,14 @@ class RolloutWorker:
         mesh: jax.sharding.Mesh | None = None,
     ):
         self.config, self.model, self.setup, self.mesh = config, model, setup, mesh
+        self.tokenizer = run_tokenizer(config)
         self.sampling = SamplingConfig(
             max_new_tokens=config.rl.max_new_tokens,
             temperature=config.rl.temperature,
-            stop_tokens=(tasks.EOS_ID,),
-            pad_id=tasks.PAD_ID,
+            stop_tokens=self.tokenizer.stop_ids,
+            pad_id=self.tokenizer.pad_id,
         )
-        self.prompt_width = config.tasks.prompt_width
+        self.prompt_width = config.tasks.make_dataset().prompt_width(self.tokenizer)
         self.implementation = resolve_implementation(config.rl.rollout_implementation)
         self._key = jax.random.key(config.seed)
 
@@ -161,7 +166,9 @@ class RolloutWorker:
         (compact guidance = the codes' mantissa bits), so the run is the same either way.
         """
         problems = group_problems(self.config, step)
-        prompts, lengths = tasks.encode_prompts(problems, pad_to=self.prompt_width)
+        prompts, lengths = data.encode_prompts(
+            problems, pad_to=self.prompt_width, tokenizer=self.tokenizer
+        )
         prompts, lengths = place_batch((prompts, lengths), self.mesh, len(problems))
         setup = self.setup
         capture, capture_mode = setup.capture, setup.capture_mode
@@ -304,8 +311,9 @@ class Trainer:
     """Scores rollout batches and runs the method's GRPO update on the policy `model`, one
     optimizer step per mini-batch, each mini-batch's guidance checked against the store.
 
-    Attributes: config, model, setup, mesh, optimizer (AdamW on `rl.grpo`'s schedule over
-    `rl.steps * mini_batches` optimizer steps, placed like the model).
+    Attributes: config, model, setup, mesh, tokenizer and verifier (`config.tasks`': responses
+    -> text -> rewards), optimizer (AdamW on `rl.grpo`'s schedule over `rl.steps *
+    mini_batches` optimizer steps, placed like the model).
 
     Guidance reads, checks and deletions run on one background thread (module docstring);
     `close()` waits for the last deletion and raises its failure.
@@ -319,6 +327,7 @@ class Trainer:
         mesh: jax.sharding.Mesh | None = None,
     ):
         self.config, self.model, self.setup, self.mesh = config, model, setup, mesh
+        self.tokenizer, self.verifier = run_tokenizer(config), config.tasks.make_verifier()
         grpo = config.rl.grpo
         self.optimizer = nnx.Optimizer(
             model, make_optimizer(grpo, config.rl.steps * grpo.mini_batches), wrt=nnx.Param
@@ -376,8 +385,10 @@ class Trainer:
                 )
                 for m, part in enumerate(parts)
             ]
-        responses = tasks.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
-        rewards = tasks.batch_rewards(problems, responses)
+        responses = data.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
+        rewards = data.compute_rewards(
+            problems, responses, tokenizer=self.tokenizer, verifier=self.verifier
+        )
         adv = grpo_advantages(jnp.asarray(rewards), grpo.group_size)
         kw = dict(setup=setup, grpo=grpo, temperature=rl.temperature)
         mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax import tasks
+from trace_jax import data
 from trace_jax.models import init_model
 from trace_jax.quant import QuantConfig, SiteMode, ptq
 from trace_jax.rl.checkpoint import checkpoint_manager, load_params
-from trace_jax.rl.evaluate import pass_at_1_by_split
+from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop, step_problems
 from trace_jax.tables.grid import benchmark_average
@@ -82,10 +82,10 @@ def load_policy(config: ExperimentConfig, path: str) -> nnx.Module:
 def scores(config: ExperimentConfig, model, qcfg: QuantConfig | None, mode: SiteMode) -> dict:
     """pass@1 of `model` per held-out split of `config.eval` under (qcfg, mode) (split i sampled
     with the key `seed + i`), and `average` over the benchmark splits."""
-    splits = config.eval.splits
-    keys = [jax.random.key(config.seed + i) for i in range(len(splits))]
-    row = pass_at_1_by_split(model, config.eval, keys, qcfg=qcfg, mode=mode)
-    return {**row, "average": benchmark_average(row, splits)}
+    suite = EvalSuite.from_config(config)
+    keys = [jax.random.key(config.seed + i) for i in range(len(suite.splits))]
+    row = pass_at_1_by_split(model, suite, keys, qcfg=qcfg, mode=mode)
+    return {**row, "average": benchmark_average(row, suite.splits)}
 
 
 def calibration_batch(config: ExperimentConfig, n_prompts: int) -> tuple[jax.Array, jax.Array]:
@@ -96,7 +96,9 @@ def calibration_batch(config: ExperimentConfig, n_prompts: int) -> tuple[jax.Arr
     while len(problems) < n_prompts:
         problems += step_problems(config, 10_000_000 + step, n_prompts)
         step += 1
-    prompts, lengths = tasks.encode_prompts(problems[:n_prompts])
+    prompts, lengths = data.encode_prompts(
+        problems[:n_prompts], tokenizer=config.tasks.make_tokenizer()
+    )
     valid = jnp.arange(prompts.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
     return jnp.asarray(prompts), valid
 

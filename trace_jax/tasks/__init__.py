@@ -4,9 +4,13 @@ Three tasks (`TaskKind`), each at difficulty levels 1-5, each problem a pure fun
 multi-step arithmetic (`3+4*2-5=`), countdown (`40 from 3,12,7,4:`) and straight-line programs
 (`a=3;b=a*2;c=b-1;?c`). A model sees `BOS prompt` and answers `reasoning > answer EOS`;
 `reward` parses that and checks it exactly. `eval_split` gives the fixed held-out splits
-("aime24", "aime25", "hmmt25", "livecodebench"); `train_stream` never yields their prompts.
+(`SPLIT_NAMES`: "arith_countdown_l2", ..., named by task and level); `train_stream` never yields
+their prompts.
 
-Rollout settings that match: `SamplingConfig(stop_tokens=(EOS_ID,), pad_id=PAD_ID)`.
+Rollout settings that match: `SamplingConfig(stop_tokens=(EOS_ID,), pad_id=PAD_ID)`. The RL
+pipeline reaches these tasks through `trace_jax.data` (the "synthetic" dataset kind, the
+"synthetic" verifier and the "char" tokenizer), as one kind among file datasets and Hugging Face
+tokenizers; this package imports nothing of it.
 """
 
 from trace_jax.tasks.encoding import (
@@ -37,7 +41,7 @@ from trace_jax.tasks.tokenizer import (
     TOKENIZER,
     VOCAB,
     VOCAB_SIZE,
-    Tokenizer,
+    CharTokenizer,
 )
 from trace_jax.tasks.verify import (
     Score,
@@ -64,12 +68,12 @@ __all__ = [
     "TOKENIZER",
     "VOCAB",
     "VOCAB_SIZE",
+    "CharTokenizer",
     "Problem",
     "SFTBatch",
     "Score",
     "SplitSpec",
     "TaskKind",
-    "Tokenizer",
     "batch_rewards",
     "check_answer",
     "encode_prompts",

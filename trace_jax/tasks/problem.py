@@ -32,6 +32,9 @@ class Problem:
       solution: the worked solution the SFT target is made of: reasoning, then
         `ANSWER_MARKER + answer`; the tokens add EOS after it.
       difficulty: level in `LEVELS`.
+
+    A problem is an example of the pipeline's datasets (`trace_jax.data.Example`): `question` is
+    its prompt, `metadata` its task and difficulty.
     """
 
     task: TaskKind
@@ -58,6 +61,16 @@ class Problem:
         for name in ("prompt", "solution"):
             if not TOKENIZER.in_vocab(getattr(self, name)):
                 TOKENIZER.encode(getattr(self, name))  # raises, naming the character
+
+    @property
+    def question(self) -> str:
+        """The prompt (the name every dataset's examples share)."""
+        return self.prompt
+
+    @property
+    def metadata(self) -> dict[str, str | int]:
+        """{"task": the task's name, "difficulty": its level}."""
+        return {"task": self.task.value, "difficulty": self.difficulty}
 
     @property
     def prompt_tokens(self) -> int:

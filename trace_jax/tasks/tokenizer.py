@@ -12,6 +12,8 @@
 
 Every printable token is one character, so `decode(encode(s)) == s` for any string over the
 alphabet. Special tokens never come from text: `encode` adds BOS/EOS only when asked.
+`CharTokenizer` implements the pipeline's tokenizer interface (`trace_jax.data.Tokenizer`): a
+prompt is `BOS question`, a response ends at EOS.
 Axis legend: B batch, T token slots.
 """
 
@@ -34,12 +36,13 @@ VOCAB_SIZE = len(VOCAB)
 _CHAR_TO_ID = {c: i + len(SPECIAL_TOKENS) for i, c in enumerate(CHARS)}
 
 
-class Tokenizer:
+class CharTokenizer:
     """Encodes text over `CHARS` to int32 ids and back; stateless (use the `TOKENIZER` instance)."""
 
     pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
+    stop_ids = (EOS_ID,)
     answer_id = ANSWER_ID
     vocab_size = VOCAB_SIZE
     vocab = VOCAB
@@ -90,6 +93,29 @@ class Tokenizer:
                 out.append(VOCAB[tid])
         return "".join(out)
 
+    def prompt_ids(self, question: str) -> np.ndarray:
+        """int32 [T]: BOS + `question` (what the model sees before it answers)."""
+        return self.encode(question, bos=True)
+
+    def response_text(self, ids: Sequence[int] | np.ndarray) -> str | None:
+        """The text of response ids up to the first EOS; None when there is no EOS (cut off),
+        or a non-text id (PAD, BOS, outside the vocabulary) comes before it, or `ids` are not
+        a 1-D integer sequence. Never raises on model output."""
+        try:
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+                return None
+            ids = ids.astype(np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        ends = np.flatnonzero(ids == EOS_ID)
+        if ends.size == 0:
+            return None
+        body = ids[: ends[0]]
+        if ((body < len(SPECIAL_TOKENS)) | (body >= VOCAB_SIZE)).any():
+            return None
+        return self.decode(body)
+
     def encode_batch(
         self,
         texts: Sequence[str],
@@ -103,7 +129,7 @@ class Tokenizer:
         T is the longest row, or `pad_to` (ValueError when a row is longer).
         """
         rows = [self.encode(t, bos=bos, eos=eos) for t in texts]
-        return pad_batch(rows, pad_to=pad_to)
+        return pad_batch(rows, pad_to=pad_to, pad_id=PAD_ID)
 
     def decode_batch(
         self, ids: np.ndarray, lengths: np.ndarray | None = None, *, skip_special: bool = True
@@ -125,18 +151,24 @@ class Tokenizer:
 
 
 def pad_batch(
-    rows: Sequence[np.ndarray], *, pad_to: int | None = None
+    rows: Sequence[np.ndarray], *, pad_to: int | None = None, pad_id: int = PAD_ID
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Stacks 1-D id rows into right-padded int32 [B, T] (PAD filler) and int32 lengths [B]."""
+    """Stacks 1-D id rows into right-padded int32 [B, T] (`pad_id` filler) and int32 lengths [B].
+
+    T is the longest row, or `pad_to` (ValueError naming the longest row when it is longer).
+    """
     lengths = np.asarray([len(r) for r in rows], dtype=np.int32)
     longest = int(lengths.max()) if len(rows) else 0
     width = longest if pad_to is None else int(pad_to)
     if width < longest:
-        raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({longest} tokens)")
-    out = np.full((len(rows), width), PAD_ID, dtype=np.int32)
+        row = int(lengths.argmax())
+        raise ValueError(
+            f"pad_to={pad_to} is shorter than the longest row (row {row}: {longest} tokens)"
+        )
+    out = np.full((len(rows), width), pad_id, dtype=np.int32)
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
     return out, lengths
 
 
-TOKENIZER = Tokenizer()
+TOKENIZER = CharTokenizer()

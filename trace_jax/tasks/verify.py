@@ -5,6 +5,9 @@ answer is the text between the one answer marker and EOS. Responses are token id
 PAD after EOS is ignored) or decoded text (EOS assumed at its end). Nothing here raises on model
 output: a malformed response (no EOS, no marker or several, empty answer, PAD/BOS or unknown ids
 before EOS, extra text after the answer) scores 0.
+
+`Score`, `responses_from_rollout` and pass@k serve every dataset kind: `trace_jax.data` scores
+file datasets with the math verifier into the same record.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from trace_jax.tasks import registry
 from trace_jax.tasks.problem import Problem
-from trace_jax.tasks.tokenizer import ANSWER_ID, ANSWER_MARKER, EOS_ID, TOKENIZER, VOCAB_SIZE
+from trace_jax.tasks.tokenizer import ANSWER_MARKER, TOKENIZER
 
 Response = str | Sequence[int] | np.ndarray
 
@@ -35,25 +38,25 @@ class Score:
     well_formed: bool
     correct: bool
 
+    def reward(self, format_weight: float = 0.0) -> float:
+        """1 if correct, else `format_weight` if well formed, else 0.
+
+        This is `(1 - w) * correct + w * well_formed` (correct implies well formed); with the
+        default `format_weight=0` it is the exact-match reward 1/0.
+        """
+        if not 0.0 <= format_weight <= 1.0:
+            raise ValueError(f"format_weight must be in [0, 1], got {format_weight!r}")
+        if self.correct:
+            return 1.0
+        return format_weight * float(self.well_formed)
+
 
 def response_text(response: Response) -> str | None:
-    """The text of a response up to EOS; None for ids without EOS or with non-text ids before it."""
+    """The text of a response up to EOS; None for ids without EOS or with non-text ids before it
+    (`CharTokenizer.response_text`)."""
     if isinstance(response, str):
         return response
-    try:
-        ids = np.asarray(response)
-        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-            return None
-        ids = ids.astype(np.int64)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    ends = np.flatnonzero(ids == EOS_ID)
-    if ends.size == 0:
-        return None  # cut off before finishing
-    body = ids[: ends[0]]
-    if ((body < ANSWER_ID) | (body >= VOCAB_SIZE)).any():
-        return None
-    return TOKENIZER.decode(body)
+    return TOKENIZER.response_text(response)
 
 
 def extract_answer(response: Response) -> str | None:
@@ -76,17 +79,9 @@ def score(problem: Problem, response: Response) -> Score:
 
 
 def reward(problem: Problem, response: Response, *, format_weight: float = 0.0) -> float:
-    """1 if correct, else `format_weight` if well formed, else 0.
-
-    This is `(1 - w) * correct + w * well_formed` (correct implies well formed); with the default
-    `format_weight=0` it is the exact-match reward 1/0.
-    """
-    if not 0.0 <= format_weight <= 1.0:
-        raise ValueError(f"format_weight must be in [0, 1], got {format_weight!r}")
-    s = score(problem, response)
-    if s.correct:
-        return 1.0
-    return format_weight * float(s.well_formed)
+    """`score(problem, response).reward(format_weight)`: 1 if correct, else `format_weight` if
+    well formed, else 0."""
+    return score(problem, response).reward(format_weight)
 
 
 def batch_rewards(
