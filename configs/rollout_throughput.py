@@ -1,16 +1,33 @@
 r"""Whole rollouts at the paper's model shapes: tokens/s, prefill and the decode step against its
 byte limit, bf16 vs FP4 vs FP4 + guidance capture (experiments/rollout_throughput.py).
 
-A row compiles two rollouts per variant and runs each three times; on an H200 (10-minute commands)
-run one row per command, merged into one result:
+A row compiles one rollout per variant (on an H200 about 18 s for bf16 and 50 s per FP4 variant at
+12 blocks), then runs 1 + repeats whole rollouts and `repeats` prefills of each; a command also
+spends about a minute starting, measuring the bandwidth and making the model. Each row prints its
+rough time first (`estimate`). On an H200 (10-minute commands) run one row per command, merged
+into one result (each command below takes 4-7 minutes by the estimates); a first check of a row
+compiles only (about 4 minutes; no rollout runs, nothing is written):
 
-for row in "64, 1024, 256" "64, 8192, 256" "16, 1024, 1024" "256, 1024, 256"; do
+python -m experiments.rollout_throughput --config.rows="((64, 1024, 256),)" \
+    --config.compile_only=True
+for row in "64, 1024, 256" "16, 1024, 1024"; do
   python -m experiments.rollout_throughput --config.rows="(($row),)" --config.merge=True
+done
+# batch 256 and 8K prompts: three commands per row (8K: one round); the merge keeps the last
+# command's fp4, so that the compact capture's overhead pairs with fp4 of the same command
+for variants in "'bf16', 'fp4'" "'fp4', 'fp4 + full'" "'fp4', 'fp4 + compact'"; do
+  python -m experiments.rollout_throughput --config.rows="((256, 1024, 256),)" \
+      --config.variants="($variants)" --config.merge=True
+  python -m experiments.rollout_throughput --config.rows="((64, 8192, 256),)" \
+      --config.variants="($variants)" --config.merge=True --config.repeats=1
 done
 python -m experiments.rollout_throughput --config.variants="('bf16', 'fp4')" \
     --config.model.grouped_matmul=tiled   # strings with spaces: quoted, in a tuple
 python -m experiments.rollout_throughput --config=configs/rollout_throughput.py:smoke  # CPU smoke
 python -m experiments.rollout_throughput --plot_from=experiments/results/rollout_throughput.json
+
+With JAX_COMPILATION_CACHE_DIR set, a later command on the same machine reuses compiled rollouts
+(a row after its compile-only check, the fp4 variant of a row's next command).
 """
 
 import ml_collections
@@ -42,6 +59,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ceiling_bytes = 1 << 30  # bytes of the read-bandwidth measurement
     c.summary_min_batch = 64  # the top-level worst cases are over rows of at least this batch
     c.merge = False  # merge into an existing <outdir>/<name>.json by (row, variant)
+    c.compile_only = False  # compile every variant of every row from shapes; print, run nothing
+    # The row time printed before each row (RolloutBench.estimate_s), on the slow side of the
+    # first H200 run at these shapes: compile seconds of one rollout per decoder block, a decode
+    # step's time over its byte limit (measured: 5.5 bf16, 8 FP4), prefill FLOP/s (under 5e13).
+    c.estimate = ml_collections.ConfigDict(
+        {"bf16_compile_s": 1.5, "fp4_compile_s": 4.5, "over_limit": 8.0, "prefill_flop_per_s": 4e13}
+    )
     if arg == "smoke":
         c.smoke = True
         c.model.preset, c.model.n_layers, c.model.head_dim = "tiny", 1, 32

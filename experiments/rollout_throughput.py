@@ -13,13 +13,15 @@ decodes all its new tokens. Variants (`VARIANTS`):
   * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full);
   * fp4 xla        : NVFP4 W/A/KV by XLA fake quantization (the reference path; not a default).
 
-Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant two rollouts are
-compiled ahead of time: N new tokens, and one new token, which is the prompt's prefill and the
-first sample (the sampler's decode loop runs no step). After one warm-up each, all rollouts of the
-row are timed in `repeats` alternating rounds (`harness.time_interleaved`), so that a drift of the
-device falls on every variant alike. From the medians: tokens/s = batch * N / rollout time;
-`prefill_ms` = the one-token rollout; `decode_ms_per_step` = (rollout - one-token rollout) / (N - 1)
-(the slope between the two lengths, median of the rounds' slopes).
+Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant one rollout of N
+new tokens is compiled ahead of time; `generate`'s traced `new_token_limit` runs it whole (N) or as
+the prompt's prefill and the first sample (1: the decode loop runs no step). After one warm-up
+rollout per variant, both lengths of every variant are timed in `repeats` alternating rounds
+(`harness.time_interleaved`), so that a drift of the device falls on every variant alike. From the
+medians: tokens/s = batch * N / rollout time; `prefill_ms` = the one-token rollout;
+`decode_ms_per_step` = (rollout - one-token rollout) / (N - 1) (the slope between the two lengths,
+median of the rounds' slopes). Each entry keeps its compile seconds and `temp_gib`, XLA's
+temporary buffers of the compiled rollout (beside the parameters, inputs and outputs).
 
 A decode step's byte limit is the bytes it must read over the read bandwidth measured in the same
 command (`harness.ceilings`): every dense weight (attention, router, norms, LM head; the embedding
@@ -28,6 +30,10 @@ steps the slope covers (prompt + N / 2), weights and cache in the variant's stor
 NVFP4 experts where the sampler packs them, the packed cache for every FP4 variant). With B tokens
 each routed to K of E experts, near-uniformly at random weights, an expert is missed by one token
 with probability 1 - K/E, so a layer reads E * (1 - (1 - K/E)^B) distinct experts on average.
+
+Each row's rough time is printed before it (`RolloutBench.estimate_s`). `config.compile_only`
+compiles every variant of every row from parameter shapes only, runs nothing and prints compile
+seconds, memory and the rows' estimates with these compile times: a first check on a device.
 
 A variant that fails (for instance RESOURCE_EXHAUSTED at compile or run) is recorded with the first
 line of its error and the rest go on. Results go to `<outdir>/<name>.{json,md,png}` after every row
@@ -55,7 +61,14 @@ from ml_collections import ConfigDict
 
 from experiments import harness
 from trace_jax.fp4 import GuidanceMode
-from trace_jax.models import ModelConfig, abstract_model, init_cache, init_model, pack_model_experts
+from trace_jax.models import (
+    ModelConfig,
+    abstract_model,
+    active_param_count,
+    init_cache,
+    init_model,
+    pack_model_experts,
+)
 from trace_jax.quant import SiteMode
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
@@ -92,7 +105,8 @@ VARIANTS = {
 REQUIRED_ROW_KEYS = ("batch", "prompt_len", "new_tokens", "variants")
 TABLE_COLUMNS = ["batch", "prompt_len", "new_tokens", "variant", "tokens_per_s", "speedup_vs_bf16"]
 TABLE_COLUMNS += ["prefill_ms", "decode_ms_per_step", "byte_limit_ms", "byte_limit_ratio"]
-TABLE_COLUMNS += ["compile_s", "error"]
+TABLE_COLUMNS += ["compile_s", "temp_gib", "error"]
+COMPILE_COLUMNS = [*TABLE_COLUMNS[:4], "compile_s", "temp_gib", "error"]
 
 
 def rollout_kwargs(
@@ -157,62 +171,88 @@ def first_line(error: Exception) -> str:
 
 
 class RolloutBench:
-    """The model of `config` (bf16 parameters, initialized on the device) and the read bandwidth;
-    `measure(row, run)` times every variant of one row."""
+    """The model of `config` (bf16 parameters on the device, or their shapes only with
+    `config.compile_only`) and the read bandwidth; `measure(row, run)` times (or only compiles)
+    every variant of one row."""
 
     def __init__(self, config: ConfigDict, read_bw: float):
         spec = from_section(ModelSpec, config.model)
         # The rollout's copy of the policy is bf16 (the trainer keeps the fp32 master copy).
         self.cfg = dataclasses.replace(spec.build(), param_dtype=jnp.bfloat16)
         self.config, self.read_bw = config, read_bw
-        self.graphdef, _ = nnx.split(abstract_model(self.cfg))
-        # Parameters are made by one jitted call on the default device (never on the host at
-        # full size), and are arguments of the rollouts, not constants folded into them.
-        self.params = jax.jit(lambda: nnx.split(init_model(self.cfg, seed=0))[1])()
+        # Made eagerly on the default device: one small compiled random op per distinct
+        # parameter shape, the same for any n_layers (one jitted init of the whole model compiles
+        # for minutes on an H200 at 12 blocks). Parameters are arguments of the rollouts, not
+        # constants folded into them.
+        model = abstract_model(self.cfg) if config.compile_only else init_model(self.cfg, seed=0)
+        self.graphdef, self.params = nnx.split(model)
 
-    def compile(self, variant: str, prompts, plens, new_tokens: int) -> jax.stages.Compiled:
-        kw = rollout_kwargs(
-            self.cfg, variant, new_tokens, self.config.format, self.config.prefill_chunk_tokens
-        )
-        args = (self.graphdef, self.params, prompts, plens, jax.random.key(2))
-        return generate.lower(*args, **kw).compile()
+    def estimate_s(self, row: tuple[int, int, int], compile_s: dict | None = None) -> dict:
+        """Rough seconds `measure(row)` takes, by `config.estimate`: "compile_s" (measured per
+        variant in `compile_s` where given), "run_s" (each variant's 1 + repeats whole rollouts
+        and `repeats` prefills; prefill FLOPs at the assumed rate, decode steps at their byte
+        limit times `over_limit`) and "total_s"."""
+        (batch, prompt_len, new_tokens), cfg, est = row, self.cfg, self.config.estimate
+        repeats, fmt = self.config.repeats, self.config.format
+        # the blocks' weights (prefill gathers embeddings and takes the logits of the last token
+        # only), and causal attention
+        blocks = active_param_count(cfg) - cfg.vocab_size * cfg.d_model * (2 - cfg.tie_embeddings)
+        flops = 2 * blocks * batch * prompt_len
+        flops += 2 * batch * prompt_len**2 * cfg.n_heads * cfg.head_dim * cfg.n_layers
+        prefill_s, context = flops / est.prefill_flop_per_s, prompt_len + new_tokens // 2
+        out = {"compile_s": 0.0, "run_s": 0.0}
+        for v in self.config.variants:
+            step = decode_step_bytes(self.graphdef, self.params, v, fmt, batch, context)
+            rollout_s = prefill_s + (new_tokens - 1) * step["total"] / self.read_bw * est.over_limit
+            per_block = est.fp4_compile_s if VARIANTS[v].fp4 else est.bf16_compile_s
+            out["compile_s"] += (compile_s or {}).get(v, per_block * cfg.n_layers)
+            out["run_s"] += (1 + repeats) * rollout_s + repeats * prefill_s
+        return {**out, "total_s": out["compile_s"] + out["run_s"]}
 
-    def prepare(self, variant: str, prompts, plens, new_tokens: int) -> dict:
-        """Compiles and warms up `variant`'s two rollouts -> {"calls": length -> Compiled,
-        "compile_s", "temp_gib"}; raises what compiling or running them raises."""
+    def prepare(self, variant: str, row: tuple[int, int, int], inputs) -> dict:
+        """Compiles `variant`'s rollout of `row` (one compile for every `new_token_limit`) and
+        runs one whole rollout as its warm-up (not with `config.compile_only`) -> {"call",
+        "compile_s", "temp_gib"}; raises what compiling or running raises."""
+        batch, _, new_tokens = row
+        fmt, chunk = self.config.format, self.config.prefill_chunk_tokens
+        kw = rollout_kwargs(self.cfg, variant, new_tokens, fmt, chunk)
         t0 = time.perf_counter()
-        calls = {n: self.compile(variant, prompts, plens, n) for n in (new_tokens, 1)}
-        compile_s = time.perf_counter() - t0
-        batch = prompts.shape[0]
-        for n, compiled in calls.items():
-            roll = jax.block_until_ready(compiled(self.params, prompts, plens, jax.random.key(2)))
-            decoded = int((roll.lengths - roll.prompt_lengths).sum())
-            if decoded != batch * n:  # the numbers assume full-length rollouts
-                raise RuntimeError(f"{variant}: {decoded} tokens decoded, want {batch * n}")
-        stats = calls[new_tokens].memory_analysis()
-        temp = None if stats is None else stats.temp_size_in_bytes / 2**30
-        return {"calls": calls, "compile_s": compile_s, "temp_gib": temp}
+        compiled = generate.lower(self.graphdef, *inputs, jnp.int32(new_tokens), **kw).compile()
+        ready = {"call": compiled, "compile_s": time.perf_counter() - t0}
+        stats = compiled.memory_analysis()  # None where the backend does not say
+        ready["temp_gib"] = None if stats is None else stats.temp_size_in_bytes / 2**30
+        if not self.config.compile_only:
+            roll = jax.block_until_ready(compiled(*inputs, jnp.int32(new_tokens)))
+            decoded, want = int((roll.lengths - roll.prompt_lengths).sum()), batch * new_tokens
+            if decoded != want:  # the numbers assume full-length rollouts
+                raise RuntimeError(f"{variant}: {decoded} tokens decoded, want {want}")
+        return ready
 
     def measure(self, row: tuple[int, int, int], run: int) -> dict:
-        """One row record: each variant's entry (numbers, or its error) under "variants"."""
-        batch, prompt_len, new_tokens = row
-        prompts = jax.random.randint(
-            jax.random.key(1), (batch, prompt_len), 3, self.cfg.vocab_size, jnp.int32
-        )
-        plens = jnp.full((batch,), prompt_len, jnp.int32)
-        args = (self.params, prompts, plens, jax.random.key(2))
+        """One row record: each variant's entry (numbers, or its error) under "variants". With
+        `config.compile_only` the entries hold compile seconds and memory only, and the record
+        the row's `estimate_s` with these compile times."""
+        (batch, prompt_len, new_tokens), fmt = row, self.config.format
+        shape, vocab = (batch, prompt_len), self.cfg.vocab_size  # `generate`'s array arguments:
+        prompts = jax.random.randint(jax.random.key(1), shape, 3, vocab, jnp.int32)
+        inputs = self.params, prompts, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(2)
+        record = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens}
         entries, calls = {}, {}
         for variant in self.config.variants:
             try:
-                ready = self.prepare(variant, prompts, plens, new_tokens)
+                ready = self.prepare(variant, row, inputs)
             except Exception as e:  # recorded; the other variants still run
                 logging.exception("%s at %s failed", variant, row)
                 entries[variant] = {"error": first_line(e), "run": run}
                 continue
-            for n, compiled in ready.pop("calls").items():
-                calls[f"{variant}/{n}"] = (compiled, args)
+            compiled = ready.pop("call")
+            for n in (new_tokens, 1):  # the whole rollout, and prefill + the first sample
+                calls[f"{variant}/{n}"] = (compiled, (*inputs, jnp.int32(n)))
             entries[variant] = {**ready, "run": run}
-            logging.info("row %s: %s compiled (%.0f s) and warm", row, variant, ready["compile_s"])
+            logging.info("row %s: %s compiled (%.0f s)", row, variant, ready["compile_s"])
+        if self.config.compile_only:
+            compile_s = {v: e["compile_s"] for v, e in entries.items() if "compile_s" in e}
+            return {**record, "variants": entries, "estimate_s": self.estimate_s(row, compile_s)}
         timed = [v for v in entries if "error" not in entries[v]]
         rounds: dict[str, list[float]] = {}
         try:
@@ -227,9 +267,7 @@ class RolloutBench:
         for variant in timed:
             full, one = rounds[f"{variant}/{new_tokens}"], rounds[f"{variant}/1"]
             slopes = [(a - b) / (new_tokens - 1) for a, b in zip(full, one, strict=True)]
-            nbytes = decode_step_bytes(
-                self.graphdef, self.params, variant, self.config.format, batch, context
-            )
+            nbytes = decode_step_bytes(self.graphdef, self.params, variant, fmt, batch, context)
             decode_ms = 1e3 * statistics.median(slopes)
             limit_ms = 1e3 * nbytes["total"] / self.read_bw
             entries[variant].update(
@@ -244,8 +282,7 @@ class RolloutBench:
                 rollout_s_by_round=full,
                 prefill_s_by_round=one,
             )
-        return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                "variants": entries}  # fmt: skip
+        return {**record, "variants": entries}
 
 
 def time_ratio(a: dict, b: dict) -> float:
@@ -345,28 +382,20 @@ def plot(records: Sequence[dict], path: str) -> None:
     against the context (prompt + new tokens) at the most common batch (right); one line per
     variant."""
     lengths = collections.Counter((r["prompt_len"], r["new_tokens"]) for r in records)
-    (prompt_len, new_tokens), _ = lengths.most_common(1)[0]
+    lengths, _ = lengths.most_common(1)[0]
+    prompt_len, new_tokens = lengths
     batch, _ = collections.Counter(r["batch"] for r in records).most_common(1)[0]
     variants = list(dict.fromkeys(v for r in records for v in r["variants"]))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    panels = [  # (axes, rows on its lines, x)
+        (left, lambda r: (r["prompt_len"], r["new_tokens"]) == lengths, lambda r: r["batch"]),
+        (right, lambda r: r["batch"] == batch, lambda r: r["prompt_len"] + r["new_tokens"]),
+    ]
     for i, variant in enumerate(variants):
-        style = {"marker": "o", "color": f"C{i}", "label": variant}
-        xs, ys = tokens_per_s_points(
-            records,
-            variant,
-            lambda r: (r["prompt_len"], r["new_tokens"]) == (prompt_len, new_tokens),
-            lambda r: r["batch"],
-        )
-        if xs:
-            left.plot(xs, ys, **style)
-        xs, ys = tokens_per_s_points(
-            records,
-            variant,
-            lambda r: r["batch"] == batch,
-            lambda r: r["prompt_len"] + r["new_tokens"],
-        )
-        if xs:
-            right.plot(xs, ys, **style)
+        for ax, keep, x in panels:
+            xs, ys = tokens_per_s_points(records, variant, keep, x)
+            if xs:
+                ax.plot(xs, ys, marker="o", color=f"C{i}", label=variant)
     left.set(xlabel="batch", title=f"prompt {prompt_len}, {new_tokens} new tokens")
     right.set(xlabel="context (prompt + new tokens)", title=f"batch {batch}")
     for ax in (left, right):
@@ -397,12 +426,9 @@ def check_config(config: ConfigDict) -> list[tuple[int, int, int]]:
     rows = [tuple(r) for r in config.rows]
     if not rows:
         raise ValueError("rows is empty; give (batch, prompt tokens, new tokens) rows")
-    for r in rows:
+    for r in rows:  # the decode step is the slope between N and 1 new tokens: N >= 2
         if len(r) != 3 or not all(isinstance(n, int) and n >= 1 for n in r) or r[2] < 2:
-            raise ValueError(
-                f"row {r} is not (batch >= 1, prompt tokens >= 1, new tokens >= 2) ints "
-                "(the decode step is the slope between N and 1 new tokens)"
-            )
+            raise ValueError(f"row {r} is not (batch >= 1, prompt >= 1, new tokens >= 2) ints")
     if len(set(rows)) != len(rows):
         raise ValueError(f"rows {rows} repeat a row")
     if config.repeats < 1:
@@ -435,20 +461,33 @@ def notes(config: ConfigDict, cfg: ModelConfig) -> str:
     )
 
 
+def estimate_line(row: tuple[int, int, int], est: dict, note: str = "") -> str:
+    return f"row {row}: about {est['total_s']:.0f} s ({est['compile_s']:.0f} s compiling{note})"
+
+
 def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     """Times every row and writes `<outdir>/<name>.{json,md,png}` after each (merged into the
-    existing JSON with `config.merge`); returns the row records."""
+    existing JSON with `config.merge`); returns the row records. `config.compile_only`: only
+    compiles them, and prints compile seconds, memory and time estimates."""
     rows = check_config(config)
     json_path = os.path.join(outdir, f"{name}.json")
     old, runs = previous_result(json_path) if config.merge else ([], [])
     ceil = harness.ceilings(config.ceiling_bytes, smoke=config.smoke)
     logging.info("ceilings %s", ceil)
     bench = RolloutBench(config, ceil["read_bw"])
+    if config.compile_only:  # no rollout runs, no file is written
+        records = []
+        for row in rows:
+            records.append(bench.measure(row, run=0))
+            print(estimate_line(row, records[-1]["estimate_s"], " with these compiles"), flush=True)
+        print(harness.markdown_table(table_rows(records), COMPILE_COLUMNS))
+        return records
     meta = harness.provenance()
     runs = [*runs, {k: meta[k] for k in ("date", "device", "command")}]
     new, table = [], ""
     for i, row in enumerate(rows):
         print(f"row {i + 1}/{len(rows)} (batch, prompt, new tokens) = {row}", flush=True)
+        print(estimate_line(row, bench.estimate_s(row)), flush=True)
         new.append(bench.measure(row, run=len(runs) - 1))
         records = merge_rows(old, new)
         extra = {

@@ -10,33 +10,56 @@ import statistics
 import jax
 import jax.numpy as jnp
 import matplotlib.axes
+import numpy as np
 import pytest
 from flax import nnx
 
 from configs import rollout_throughput as config_module
 from experiments import harness, rollout_throughput
 from trace_jax.fp4 import GuidanceMode
-from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model, init_model
 from trace_jax.quant import SiteMode
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 192.02GiB."
 
 
+def fail_full_capture(monkeypatch):
+    """`fp4 + full` fails before compiling (as XLA's autotuner can fail on a GPU)."""
+    rollout_kwargs = rollout_throughput.rollout_kwargs
+
+    def kwargs_or_fail(cfg, variant, *args):
+        if variant == "fp4 + full":
+            raise RuntimeError(f"{OOM}\n(traceback lines)")
+        return rollout_kwargs(cfg, variant, *args)
+
+    monkeypatch.setattr(rollout_throughput, "rollout_kwargs", kwargs_or_fail)
+
+
 def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypatch):
     config = config_module.get_config("smoke")
-    # One row and three variants keep the CPU compiles few (each rollout compiles twice; the
-    # capture settings, merging and plotting are tested below without compiling).
+    # One row and three variants keep the CPU compiles few (the capture settings, merging and
+    # plotting are tested below without compiling).
     config.rows, config.variants = config.rows[:1], ("bf16", "fp4", "fp4 + full")
-    compile_rollout = rollout_throughput.RolloutBench.compile
+    fail_full_capture(monkeypatch)
+    lowered, generate = [], rollout_throughput.generate
 
-    def compile_or_fail(self, variant, *args):
-        if variant == "fp4 + full":  # as the XLA autotuner fails on a GPU
-            raise RuntimeError(f"{OOM}\n(traceback lines)")
-        return compile_rollout(self, variant, *args)
+    class Generate:  # counts the compiles: one per variant serves both timed lengths
+        def lower(self, *args, **kw):
+            lowered.append((kw["mode"], kw["sampling"].max_new_tokens, int(args[-1])))
+            return generate.lower(*args, **kw)
 
-    monkeypatch.setattr(rollout_throughput.RolloutBench, "compile", compile_or_fail)
+    monkeypatch.setattr(rollout_throughput, "generate", Generate())
+    limits, time_interleaved = {}, harness.time_interleaved
+
+    def timed(calls, **kw):  # the token limit each timed call passes to its compiled rollout
+        limits.update({name: int(args[-1]) for name, (_, args) in calls.items()})
+        return time_interleaved(calls, **kw)
+
+    monkeypatch.setattr(harness, "time_interleaved", timed)
     records = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
 
+    assert lowered == [(SiteMode.OFF, 3, 3), (SiteMode.RTN, 3, 3)]  # bf16, fp4: N = 3 new tokens
+    assert limits == {"bf16/3": 3, "bf16/1": 1, "fp4/3": 3, "fp4/1": 1}
     assert [rollout_throughput.row_key(r) for r in records] == [(2, 8, 3)]
     (row,) = records
     v = row["variants"]
@@ -52,6 +75,7 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
         assert e["byte_limit_ms"] == pytest.approx(limit)
         assert e["byte_limit_ratio"] == pytest.approx(e["decode_ms_per_step"] / limit)
         assert e["compile_s"] > 0 and e["run"] == 0
+        assert e["temp_gib"] > 0  # XLA's temporary buffers of the rollout
     s = {name: v[name]["rollout_s"] for name in ("bf16", "fp4")}
     assert row["fp4_speedup_vs_bf16"] == pytest.approx(s["bf16"] / s["fp4"])
     assert v["fp4"]["speedup_vs_bf16"] == row["fp4_speedup_vs_bf16"]
@@ -69,6 +93,84 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
     md = (tmp_path / "rt.md").read_text()
     assert "SMOKE RUN" in md and OOM in md
     assert (tmp_path / "rt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compile_only_compiles_from_shapes_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    config = config_module.get_config("smoke")
+    config.rows, config.variants = config.rows[:1], ("bf16", "fp4 + full")
+    config.compile_only = True
+    fail_full_capture(monkeypatch)
+
+    def no_parameters(*args, **kw):
+        raise AssertionError("compile_only made parameters")
+
+    monkeypatch.setattr(rollout_throughput, "init_model", no_parameters)
+    (row,) = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
+    bf16 = row["variants"]["bf16"]
+    assert set(bf16) == {"compile_s", "temp_gib", "run"}  # compiled, never run
+    assert bf16["compile_s"] > 0 and bf16["temp_gib"] > 0
+    assert row["variants"]["fp4 + full"]["error"] == f"RuntimeError: {OOM}"
+    # the estimate counts the measured compile, and the per-block guess for the failed variant
+    guess = config.estimate.fp4_compile_s * config.model.n_layers
+    assert row["estimate_s"]["compile_s"] == pytest.approx(bf16["compile_s"] + guess)
+    assert not list(tmp_path.iterdir())
+    out = capsys.readouterr().out
+    assert "row (2, 8, 3): about" in out and "| compile_s |" in out and OOM in out
+
+
+def test_estimate_adds_compiles_and_rollouts_at_the_assumed_rates():
+    config = config_module.get_config("smoke")
+    config.compile_only, config.repeats, config.variants = True, 3, ("bf16", "fp4")
+    config.estimate.update(bf16_compile_s=2.0, fp4_compile_s=5.0, over_limit=4.0)
+    config.estimate.prefill_flop_per_s = 1e9
+    bench = rollout_throughput.RolloutBench(config, read_bw=1e6)
+    batch, prompt_len, new_tokens = 4, 8, 3
+    # the 1-block tiny model, head_dim 32: attention, router and top-2 of the experts per token
+    d, h, kv, dh, e, f = 64, 4, 2, 32, 8, 64
+    block = d * h * dh * 2 + d * kv * dh * 2 + 2 * dh + 2 * d + d * e + 2 * 3 * f * d
+    block += d  # the final norm rides along
+    flops = 2 * block * batch * prompt_len + 2 * batch * prompt_len**2 * h * dh
+    prefill_s = flops / 1e9
+    run_s = 0.0
+    for variant in config.variants:
+        step = rollout_throughput.decode_step_bytes(
+            bench.graphdef, bench.params, variant, "nvfp4", batch, prompt_len + 1
+        )
+        rollout_s = prefill_s + 2 * 4.0 * step["total"] / 1e6
+        run_s += 4 * rollout_s + 3 * prefill_s  # warm-up + 3 rounds of both lengths
+    est = bench.estimate_s((batch, prompt_len, new_tokens))
+    assert est["compile_s"] == pytest.approx(2.0 + 5.0)  # 1 block each
+    assert est["run_s"] == pytest.approx(run_s)
+    assert est["total_s"] == pytest.approx(7.0 + run_s)
+    measured = bench.estimate_s((batch, prompt_len, new_tokens), {"fp4": 30.0})
+    assert measured["compile_s"] == pytest.approx(2.0 + 30.0)
+
+
+def test_parameters_are_init_model_s_made_by_small_compiles_shared_across_depths():
+    """The bench's parameters are `init_model(cfg, seed=0)`'s, made eagerly: one small compiled
+    op per distinct parameter shape, so a deeper model of the same shapes compiles nothing new
+    (one jitted init of the whole model would compile once per depth)."""
+    config = config_module.get_config("smoke")
+    bench = rollout_throughput.RolloutBench(config, read_bw=1.0)
+    want = nnx.split(init_model(bench.cfg, seed=0))[1]
+    for got, ref in zip(jax.tree.leaves(bench.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    lowered = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    config.model.n_layers = 3
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        deeper = rollout_throughput.RolloutBench(config, read_bw=1.0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(deeper.cfg and deeper.graphdef and jax.tree.leaves(deeper.params)) > len(
+        jax.tree.leaves(bench.params)
+    )
+    assert lowered == []
 
 
 def test_decode_step_bytes_count_dense_weights_touched_experts_and_the_cache():
@@ -186,6 +288,9 @@ def test_merge_run_adds_its_rows_and_command_to_an_existing_result(tmp_path, mon
     class FakeBench:  # the model and its rollouts are the smoke test's; here: the bookkeeping
         def __init__(self, config, read_bw):
             self.cfg = ModelConfig.tiny(n_layers=1)
+
+        def estimate_s(self, row):
+            return {"compile_s": 1.0, "run_s": 2.0, "total_s": 3.0}
 
         def measure(self, row, run):
             measured.append((row, run))

@@ -177,6 +177,56 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
             assert (u == v).mean() > 0.98, (k, (u == v).mean())
 
 
+def test_new_token_limit_ends_rows_early_from_one_compiled_rollout(model):
+    """A traced `new_token_limit` ends rows after that many new tokens, in one compiled rollout
+    for every limit: at `max_new_tokens` it is the unlimited rollout bit for bit; at 3 each row
+    is the unlimited rollout's row cut after min(3, its own length) new tokens (row 0 stops at
+    its second token either way), records included, and decode slots after the cut stay
+    empty."""
+    prompts, lengths = _prompts()
+    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
+    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,))
+    keys = QCFG.all_keys(CFG32.n_layers)
+    kw = dict(qcfg=QCFG, mode=SiteMode.RTN, sampling=sampling, capture=keys)
+    gd, params = nnx.split(model)
+
+    def limited(n):
+        return generate(gd, params, prompts, lengths, jax.random.key(0), jnp.int32(n), **kw)
+
+    with jax.default_matmul_precision("highest"):
+        full = _generate(model, prompts, lengths, **kw)
+        at_max = limited(6)
+        compiled = generate._cache_size()
+        cut = limited(3)
+    assert generate._cache_size() == compiled  # the limit is traced: no second compile
+    for got, want in zip(jax.tree.leaves(at_max), jax.tree.leaves(full), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    full_new = np.asarray(full.lengths - lengths)
+    assert full_new[0] == 2 and (full_new[1:] > 3).any()  # both ways of ending occur
+    want_lengths = np.asarray(lengths) + np.minimum(full_new, 3)
+    np.testing.assert_array_equal(np.asarray(cut.lengths), want_lengths)
+    s = np.arange(full.tokens.shape[1])[None, :]
+    kept, proc = s < want_lengths[:, None], np.asarray(cut.processed)
+    tokens = np.where(kept, np.asarray(full.tokens), sampling.pad_id)
+    np.testing.assert_array_equal(np.asarray(cut.tokens), tokens)
+    mask = np.asarray(full.response_mask) & kept
+    np.testing.assert_array_equal(np.asarray(cut.response_mask), mask)
+    np.testing.assert_array_equal(np.asarray(cut.logprobs), np.where(kept, full.logprobs, 0.0))
+    # records: the unlimited rollout's at processed slots; decode slots after the cut stay empty
+    # (prefill writes every slot of the prompt buffer, padding too: valid only where processed)
+    empty = ~proc & (s >= prompts.shape[1])
+    got, want = np.asarray(cut.expert_choices), np.asarray(full.expert_choices)
+    np.testing.assert_array_equal(got[:, proc], want[:, proc])
+    assert (got[:, empty] == 0).all() and empty.any()
+    for k, g in cut.guidance.items():
+        for u, v in zip(jax.tree.leaves(g), jax.tree.leaves(full.guidance[k]), strict=True):
+            np.testing.assert_array_equal(np.asarray(u)[proc], np.asarray(v)[proc])
+        assert (np.asarray(g.payload)[empty] == 0).all()
+    with pytest.raises(ValueError, match="new_token_limit must be an integer scalar"):
+        limited(jnp.array([3, 3]))
+
+
 def test_chunked_prefill_rollout_equals_one_piece(model):
     """`prefill_chunk_tokens` bounds memory, not results: with chunks of whole prompts (2 rows of
     3: the last chunk overlaps) the rollout is the one-piece rollout bit for bit (tokens,

@@ -168,6 +168,7 @@ def generate(
     prompts: jax.Array,
     prompt_lengths: jax.Array,
     key: jax.Array,
+    new_token_limit: jax.Array | int | None = None,
     *,
     sampling: SamplingConfig,
     qcfg: QuantConfig,
@@ -177,12 +178,17 @@ def generate(
     implementation: str = "xla",
     residual_fraction: float = 0.0,
 ) -> Rollout:
-    """Samples `sampling.max_new_tokens` tokens after each right-padded prompt.
+    """Samples `sampling.max_new_tokens` tokens (or `new_token_limit`) after each right-padded
+    prompt; rows end early at a stop token.
 
     Args:
       graphdef, params: `nnx.split(model)` of a `Qwen3MoE`.
       prompts: int32 [B, P], right-padded; `prompt_lengths` int32 [B] in [1, P].
       key: PRNG key; step n samples with `fold_in(key, n)`.
+      new_token_limit: int32 scalar, traced (one compiled rollout serves every value): rows stop
+        after this many new tokens, clipped to [1, max_new_tokens]; the buffers keep their
+        `max_new_tokens` slots. None: `max_new_tokens` (bit for bit the same rollout). Limit 1
+        is the prefill and the first sample: one compile times prefill and whole rollouts.
       sampling: temperature, top-k/top-p, stop tokens, length, and the prompt prefill's chunk
         size (`prefill_chunk_tokens`, see `trace_jax.rollout.prefill`).
       qcfg, mode: the FP4 recipe and SiteMode.RTN (FP4 rollout) or SiteMode.OFF (BF16 rollout).
@@ -204,6 +210,15 @@ def generate(
     if mode is SiteMode.GUIDED:
         raise ValueError("the rollout quantizes with SiteMode.RTN (FP4) or SiteMode.OFF (BF16)")
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
+    limit = n_new
+    if new_token_limit is not None:
+        new_token_limit = jnp.asarray(new_token_limit)
+        if new_token_limit.ndim or not jnp.issubdtype(new_token_limit.dtype, jnp.integer):
+            raise ValueError(
+                f"new_token_limit must be an integer scalar, got {new_token_limit.dtype} with "
+                f"shape {new_token_limit.shape}"
+            )
+        limit = jnp.clip(new_token_limit, 1, n_new).astype(jnp.int32)
 
     packed_experts = None
     # FP4 weights are quantized and packed once per rollout (one policy version), and the experts
@@ -279,7 +294,7 @@ def generate(
 
     def cond(state):
         n, done = state[0], state[4]
-        return (n < n_new) & ~jnp.all(done)
+        return (n < limit) & ~jnp.all(done)
 
     # Decode step n (1 <= n < n_new) feeds each active row's token at slot `prompt_len + n - 1`.
     # Its expert choices and guidance go to step-indexed buffers (entry n - 1) and are moved to
