@@ -48,6 +48,7 @@ from ml_collections import config_flags
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 from trace_jax.rl.config_dict import ConfigError
+from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.workdir import WorkdirConfigError
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
@@ -119,6 +120,29 @@ def refusals_exit():
         yield
     except (ConfigError, WorkdirConfigError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def define_workdir_flags(config: str, workdir: str, workdir_help: str) -> None:
+    """The flags of an entry point that runs in a workdir: `--config` (default `config`),
+    `--fresh`, `--workdir` (default `workdir`) and `--verbose`."""
+    define_config_flag(config)
+    define_fresh_flag()
+    flags.DEFINE_string("workdir", workdir, workdir_help)
+    flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl, jax)")
+
+
+def workdir_main(run: Callable[..., Any]) -> Callable[[Sequence[str]], None]:
+    """The absl `main` of an entry point `run(config, workdir, *, fresh)` with the flags of
+    `define_workdir_flags`: third-party logging quiet unless `--verbose`, refusals as one line."""
+
+    def main(argv: Sequence[str]) -> None:
+        del argv
+        f = flags.FLAGS
+        quiet_third_party(f.verbose)
+        with refusals_exit():
+            run(f.config, f.workdir, fresh=f.fresh)
+
+    return main
 
 
 def define_result_flags(name: str) -> None:

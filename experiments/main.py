@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 
 import matplotlib
-from absl import app, flags
+from absl import app
 
 from experiments import harness
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.workdir import move_aside
@@ -64,19 +63,11 @@ def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
     return history
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    quiet_third_party(f.verbose)
-    with harness.refusals_exit():
-        run(f.config, f.workdir, fresh=f.fresh)
+main = harness.workdir_main(run)
 
 
 def define_flags() -> None:
-    harness.define_config_flag("tiny_cpu")
-    harness.define_fresh_flag()
-    flags.DEFINE_string("workdir", "workdir/rl", "checkpoints, guidance store, logs")
-    flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
+    harness.define_workdir_flags("tiny_cpu", "workdir/rl", "checkpoints, guidance store, logs")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from collections.abc import Sequence
 
 import matplotlib
 import numpy as np
-from absl import app, flags
+from absl import app
 
 from experiments import harness
 from trace_jax.quant import SiteMode
 from trace_jax.rl.config_dict import Checks
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.methods import METHODS
 from trace_jax.rl.metrics_log import read_rows
@@ -231,19 +230,11 @@ def plot(curves: dict[str, list[dict]], smooth: int, path: str) -> str:
     return path
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    quiet_third_party(f.verbose)
-    with harness.refusals_exit():
-        run(f.config, f.workdir, fresh=f.fresh)
+main = harness.workdir_main(run)
 
 
 def define_flags() -> None:
-    harness.define_config_flag("quickstart")
-    harness.define_fresh_flag()
-    flags.DEFINE_string("workdir", "workdir/quickstart", "where every stage writes")
-    flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl, jax)")
+    harness.define_workdir_flags("quickstart", "workdir/quickstart", "where every stage writes")
 
 
 if __name__ == "__main__":

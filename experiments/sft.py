@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 
 import matplotlib
-from absl import app, flags
+from absl import app
 
 from experiments import harness
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.sft import run_sft
 from trace_jax.rl.workdir import move_aside
@@ -65,19 +64,11 @@ def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
     return rows
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    quiet_third_party(f.verbose)
-    with harness.refusals_exit():
-        run(f.config, f.workdir, fresh=f.fresh)
+main = harness.workdir_main(run)
 
 
 def define_flags() -> None:
-    harness.define_config_flag("tiny_cpu")
-    harness.define_fresh_flag()
-    flags.DEFINE_string("workdir", "workdir/sft", "where checkpoints, logs and results go")
-    flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
+    harness.define_workdir_flags("tiny_cpu", "workdir/sft", "checkpoints, logs and results")
 
 
 if __name__ == "__main__":
