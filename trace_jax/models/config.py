@@ -123,16 +123,53 @@ def resolve_implementation(setting: str | Implementation) -> Implementation:
     return Implementation(setting)
 
 
+# Hugging Face `Qwen3MoeConfig` keys. One setting may have two names: transformers 5 writes
+# `num_local_experts`, `rope_parameters: {"rope_theta", "rope_type"}` and `dtype`; older configs
+# (the Hub's Qwen3-30B-A3B) `num_experts`, a top-level `rope_theta` (`rope_scaling` for RoPE
+# variants) and `torch_dtype`. A config may hold both names only with one value.
 _HF_REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
-    "num_experts",
+    ("num_experts", "num_local_experts"),
     "num_experts_per_tok",
     "moe_intermediate_size",
 )
+_HF_SYNONYMS = (("num_experts", "num_local_experts"), ("torch_dtype", "dtype"))
+# transformers' RoPE base for a config that names none (`RotaryEmbeddingConfigMixin.default_theta`).
+_HF_DEFAULT_ROPE_THETA = 10_000.0
+
+
+def _hf_named(hf: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The keys of `names` that `hf` sets (not None), with their values."""
+    return {n: hf[n] for n in names if hf.get(n) is not None}
+
+
+def _hf_rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
+    """The RoPE base `hf` names (top-level `rope_theta`, `rope_parameters` or `rope_scaling`),
+    transformers' default where it names none; appends to `problems` a RoPE type other than
+    default, keys default RoPE does not take and places naming different bases."""
+    thetas = _hf_named(hf, ("rope_theta",))
+    for name in ("rope_parameters", "rope_scaling"):
+        params = hf.get(name)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            problems.append(f"{name}={params!r} (expected a dict)")
+            continue
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            problems.append(f"{name} rope_type={kind!r} (only default RoPE is implemented)")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        if extra:
+            problems.append(f"{name} keys {extra} (default RoPE takes only rope_theta)")
+        if params.get("rope_theta") is not None:
+            thetas[f"{name}.rope_theta"] = params["rope_theta"]
+    if len({float(v) for v in thetas.values()}) > 1:
+        problems.append(f"different RoPE bases {thetas}")
+    return float(next(iter(thetas.values()), _HF_DEFAULT_ROPE_THETA))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,32 +341,50 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
-        """Map a Hugging Face Qwen3-MoE `config.json` dict; `overrides` set dtype etc.
+        """Map a Hugging Face Qwen3-MoE `config.json` dict of either generation (transformers 5's
+        `num_local_experts` / `rope_parameters` / `dtype`, or the older `num_experts` / top-level
+        `rope_theta` / `torch_dtype`); `overrides` set dtype etc. Keys a config leaves out take
+        transformers' defaults (RoPE base 10000, `norm_topk_prob` False). The checkpoint's storage
+        dtype does not set `param_dtype` (float32 master weights unless overridden).
 
-        Raises ValueError on missing keys or on features this model does not implement
-        (dense `mlp_only_layers`, `decoder_sparse_step != 1`, attention bias, rope scaling,
-        sliding window, an activation other than silu).
+        Raises ValueError, listing every problem, on missing keys, on one setting named twice with
+        different values, and on what this model does not implement: `model_type` other than
+        qwen3_moe, dense `mlp_only_layers`, `decoder_sparse_step != 1`, attention bias or dropout,
+        RoPE other than default, a sliding window, an activation other than silu.
         """
-        missing = [k for k in _HF_REQUIRED_KEYS if k not in hf]
+        missing = [
+            " or ".join(k) if isinstance(k, tuple) else k
+            for k in _HF_REQUIRED_KEYS
+            if not _hf_named(hf, k if isinstance(k, tuple) else (k,))
+        ]
         if missing:
             raise ValueError(f"Hugging Face config lacks required keys {missing}")
-        unsupported = []
+        problems = []
+        if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
+            problems.append(f"model_type={hf['model_type']!r} (expected 'qwen3_moe')")
         if hf.get("mlp_only_layers"):
-            unsupported.append(f"mlp_only_layers={hf['mlp_only_layers']!r} (dense layers)")
+            problems.append(f"mlp_only_layers={hf['mlp_only_layers']!r} (dense layers)")
         if hf.get("decoder_sparse_step", 1) != 1:
-            unsupported.append(f"decoder_sparse_step={hf['decoder_sparse_step']!r}")
+            problems.append(f"decoder_sparse_step={hf['decoder_sparse_step']!r} (expected 1)")
         if hf.get("attention_bias", False):
-            unsupported.append("attention_bias=True")
-        if hf.get("rope_scaling") is not None:
-            unsupported.append(f"rope_scaling={hf['rope_scaling']!r}")
+            problems.append("attention_bias=True")
+        if float(hf.get("attention_dropout") or 0.0) != 0.0:
+            problems.append(f"attention_dropout={hf['attention_dropout']!r} (expected 0)")
+        rope_theta = _hf_rope_theta(hf, problems)
+        if hf.get("partial_rotary_factor", 1.0) != 1.0:
+            problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']!r}")
         if hf.get("use_sliding_window", False):
-            unsupported.append("use_sliding_window=True")
+            problems.append("use_sliding_window=True")
         if hf.get("hidden_act", "silu") != "silu":
-            unsupported.append(f"hidden_act={hf['hidden_act']!r}")
-        if unsupported:
-            raise ValueError(f"Hugging Face config uses unsupported features: {unsupported}")
+            problems.append(f"hidden_act={hf['hidden_act']!r} (expected 'silu')")
+        for names in _HF_SYNONYMS:
+            named = _hf_named(hf, names)
+            values = {v.removeprefix("torch.") if isinstance(v, str) else v for v in named.values()}
+            if len(values) > 1:
+                problems.append(f"one setting, two values: {named}")
+        if problems:
+            raise ValueError(f"Hugging Face config does not fit this model: {problems}")
         n_heads = int(hf["num_attention_heads"])
-        shared = int(hf.get("shared_expert_intermediate_size") or 0)
         fields = dict(
             vocab_size=int(hf["vocab_size"]),
             d_model=int(hf["hidden_size"]),
@@ -337,13 +392,13 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=int(hf["num_key_value_heads"]),
             head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-            n_experts=int(hf["num_experts"]),
+            n_experts=int(next(iter(_hf_named(hf, _HF_SYNONYMS[0]).values()))),
             top_k=int(hf["num_experts_per_tok"]),
             d_ff_expert=int(hf["moe_intermediate_size"]),
-            shared_expert_d_ff=shared,
-            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            shared_expert_d_ff=int(hf.get("shared_expert_intermediate_size") or 0),
+            rope_theta=rope_theta,
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_std=float(hf.get("initializer_range", 0.02)),
@@ -352,7 +407,14 @@ class ModelConfig:
         return cls(**fields)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The Hugging Face `Qwen3MoeConfig` dict of this model (inverse of `from_hf_config`)."""
+        """The Hugging Face `Qwen3MoeConfig` dict of this model (inverse of `from_hf_config`).
+
+        The keys transformers 5 writes, plus `num_experts` and a top-level `rope_theta` with the
+        same values: transformers 4 reads those two instead (without them it silently takes its
+        defaults, 128 experts and RoPE base 10000), transformers 5 reads them as the same
+        settings. `shared_expert_intermediate_size` (this model's optional shared expert) is not
+        a Qwen3-MoE key: transformers ignores it.
+        """
         hf = {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -363,6 +425,7 @@ class ModelConfig:
             "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
+            "num_local_experts": self.n_experts,
             "num_experts": self.n_experts,
             "num_experts_per_tok": self.top_k,
             "moe_intermediate_size": self.d_ff_expert,
@@ -371,17 +434,22 @@ class ModelConfig:
             "norm_topk_prob": self.norm_topk_prob,
             "router_aux_loss_coef": self.router_aux_loss_coef,
             "output_router_logits": False,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
             "rms_norm_eps": self.rms_eps,
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
+            "sliding_window": None,
             "max_position_embeddings": 40960,
             "initializer_range": self.init_std,
             "tie_word_embeddings": self.tie_embeddings,
-            "torch_dtype": "float32" if self.param_dtype == jnp.float32 else str(self.param_dtype),
+            "use_cache": True,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
+            "dtype": jnp.dtype(self.param_dtype).name,
         }
         if self.shared_expert_d_ff:
             hf["shared_expert_intermediate_size"] = self.shared_expert_d_ff

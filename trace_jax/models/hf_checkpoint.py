@@ -1,17 +1,16 @@
-"""Hugging Face Qwen3-MoE checkpoints: a numpy safetensors reader/writer and the key mapping.
+"""Hugging Face Qwen3-MoE checkpoints into and out of `Qwen3MoE`: the key mapping, lazy sharded
+loading and saving (the files themselves: `trace_jax.models.hf_files`).
 
-Layout read and written: a directory with `config.json` and either `model.safetensors` or shards
-listed in `model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {key: file}}`).
-
-safetensors format: 8-byte little-endian u64 N, then N bytes of JSON header
-`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then the
-raw little-endian row-major data; offsets are relative to the end of the header.
+Loading goes straight to device arrays: each parameter is `jax.make_array_from_callback` with
+its target sharding, and the callback reads from the files only the block its device holds
+(`SafetensorsCheckpoint.read`), so a checkpoint loads onto a mesh without ever being whole in
+host memory. Per-expert keys `mlp.experts.{j}.*` fill slice j of the stacked [E, ...] expert
+tensors: a device holding experts [a, b) reads those experts' tensors only.
 
 Key mapping: `_RULES` maps each Hugging Face key template to a model path and a layout transform
 (HF linear weights are [out, in]; the model stores einsum layouts, see `Attention` and `MoE`).
-Per-expert keys `mlp.experts.{j}.*` fill slice j of the stacked [E, ...] expert tensors. Loading
-checks every shape and collects all missing, unexpected and mismatched tensors into one
-`CheckpointError`.
+Loading checks every shape from the file headers before reading any data and collects all
+missing, unexpected and mismatched tensors into one `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -20,136 +19,50 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-import ml_dtypes
+import jax
 import numpy as np
 from flax import nnx
 
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.hf_files import (
+    CONFIG_FILE,
+    CheckpointError,
+    SafetensorsCheckpoint,
+    write_hf_checkpoint,
+)
 from trace_jax.models.qwen3_moe import Qwen3MoE, abstract_model
 
-# ----------------------------------------------------------------------------- safetensors
-
-_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
+# Where each parameter goes: a mapping from its dotted model path ("layers.0.moe.w_gate") to a
+# sharding, or a function of (path, jax.ShapeDtypeStruct) that returns one
+# (`trace_jax.rl.sharding.param_sharding_rule(mesh)` gives the RL steps' placement).
+Shardings = Mapping[str, jax.sharding.Sharding] | Callable[[str, Any], jax.sharding.Sharding]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model; the message lists every problem found."""
+class _ArrayTensors:
+    """`SafetensorsCheckpoint`'s reading interface over arrays in memory."""
 
+    def __init__(self, tensors: Mapping[str, np.ndarray]):
+        self._tensors = tensors
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
-    """(header dict, byte offset where the data section starts) of a safetensors file."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file")
-        n = int.from_bytes(raw, "little")
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} B)")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    return header, 8 + n
+    def keys(self) -> list[str]:
+        return list(self._tensors)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
 
-def read_safetensors(
-    path: str | os.PathLike, *, keys: list[str] | None = None
-) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file as read-only numpy arrays (memory-mapped, not copied).
-
-    keys: read only these (KeyError naming the missing ones otherwise).
-    """
-    path = Path(path)
-    header, start = read_safetensors_header(path)
-    header.pop("__metadata__", None)
-    size = path.stat().st_size
-    names = list(header) if keys is None else list(keys)
-    absent = [k for k in names if k not in header]
-    if absent:
-        raise KeyError(f"{path}: no tensors named {absent}")
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else None
-    out = {}
-    for name in names:
-        info = header[name]
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except KeyError as e:
-            raise CheckpointError(f"{path}: tensor {name!r} has a bad entry {info!r} ({e})") from e
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != nbytes or begin < 0 or start + end > size:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} {info['dtype']}{list(shape)} needs {nbytes} bytes, "
-                f"offsets [{begin}, {end}) (file data section is {size - start} bytes)"
-            )
-        buf = mm[start + begin : start + end]
-        out[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
-    return out
-
-
-def write_safetensors(
-    path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray],
-    *,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write `tensors` (F64/F32/F16/BF16/int/bool numpy arrays) as one safetensors file."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    arrays = []
-    offset = 0
-    for name in sorted(tensors):
-        arr = np.asarray(tensors[name])
-        dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
-        if dt not in _DTYPE_NAMES:
-            raise ValueError(
-                f"tensor {name!r} has dtype {arr.dtype}, safetensors writer supports "
-                f"{sorted(str(d) for d in _DTYPE_NAMES)}"
-            )
-        arr = np.ascontiguousarray(arr, dtype=dt)
-        header[name] = {
-            "dtype": _DTYPE_NAMES[dt],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+    def read(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._tensors[key])[index]
 
 
 # ------------------------------------------------------------------------------ key mapping
+
+
+def _slices(bounds) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in bounds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,20 +85,27 @@ class _Layout:
                 return (shape[2], shape[0] * shape[1])
         raise AssertionError(self.name)
 
-    def to_model(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def read(self, source, key: str, bounds: list[tuple[int, int]], shape) -> np.ndarray:
+        """The model tensor's block `bounds` ([start, stop) per axis of the model `shape`), read
+        from HF tensor `key` of `source`: only that block, whole heads where a head is split."""
         match self.name:
             case "copy":
-                return x
+                return source.read(key, _slices(bounds))
             case "transpose":
-                return x.T
+                return source.read(key, _slices(bounds[::-1])).T
             case "row":
-                return x.reshape(shape)
+                ((a, b),) = bounds
+                return source.read(key, (slice(0, 1), slice(a, b))).reshape(b - a)
             case "heads_in":
-                d, h, c = shape
-                return x.reshape(h, c, d).transpose(2, 0, 1)
+                (d0, d1), (h0, h1), (c0, c1) = bounds
+                c = shape[2]
+                x = source.read(key, (slice(h0 * c, h1 * c), slice(d0, d1)))
+                return x.reshape(h1 - h0, c, d1 - d0).transpose(2, 0, 1)[:, :, c0:c1]
             case "heads_out":
-                h, c, d = shape
-                return x.reshape(d, h, c).transpose(1, 2, 0)
+                (h0, h1), (c0, c1), (d0, d1) = bounds
+                c = shape[1]
+                x = source.read(key, (slice(d0, d1), slice(h0 * c, h1 * c)))
+                return x.reshape(d1 - d0, h1 - h0, c).transpose(1, 2, 0)[:, c0:c1, :]
         raise AssertionError(self.name)
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
@@ -265,6 +185,9 @@ _RULES: tuple[_Rule, ...] = (
 
 # Buffers some exporters store that carry no parameters.
 _IGNORED = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq\Z"),)
+# transformers 5's in-memory expert layout, which its save_pretrained writes only when asked to
+# (`save_original_format=False`); named in the error, not read.
+_FUSED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)\Z")
 
 
 def _path_str(path: tuple) -> str:
@@ -295,6 +218,192 @@ def _expand(cfg: ModelConfig, rule: _Rule) -> list[dict[str, int]]:
     return out
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face key the model of `cfg` reads and writes, with its HF shape."""
+    leaves = _model_leaves(abstract_model(cfg))
+    out = {}
+    for rule in _RULES:
+        for idx in _expand(cfg, rule):
+            target = rule.model.format(**idx)
+            if target in leaves:  # absent: no shared expert, tied LM head
+                shape = tuple(leaves[target][1].shape)
+                out[rule.hf.format(**idx)] = rule.layout.hf_shape(
+                    shape[1:] if rule.per_expert else shape
+                )
+    return out
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """How one model parameter is read: its rule and HF keys (key j of expert j, for experts)."""
+
+    rule: _Rule
+    keys: tuple[str, ...]
+
+
+def _plan(cfg: ModelConfig, source, leaves) -> dict[str, _Placement]:
+    """The HF keys of every model parameter, checked against the file headers' shapes.
+
+    Raises CheckpointError listing every missing, unexpected and shape-mismatched tensor."""
+    keys: dict[str, dict[int, str]] = {}  # model path -> {expert or 0: HF key}
+    rules: dict[str, _Rule] = {}
+    unexpected, mismatched = [], []
+    for key in sorted(source.keys()):
+        if any(p.match(key) for p in _IGNORED):
+            continue
+        found = _match(key)
+        if found is None:
+            fused = " (fused expert tensors: save with save_original_format=True)"
+            unexpected.append(f"{key} (no rule){fused if _FUSED_EXPERTS.match(key) else ''}")
+            continue
+        rule, idx = found
+        if idx.get("i", 0) >= cfg.n_layers or idx.get("j", 0) >= cfg.n_experts:
+            unexpected.append(f"{key} (index beyond n_layers={cfg.n_layers}/E={cfg.n_experts})")
+            continue
+        target = rule.model.format(**idx)
+        if target not in leaves:
+            if not (target == "lm_head" and cfg.tie_embeddings):  # checked against embed later
+                unexpected.append(f"{key} (model has no {target}; check the config)")
+            continue
+        full_shape = tuple(leaves[target][1].shape)
+        expected = rule.layout.hf_shape(full_shape[1:] if rule.per_expert else full_shape)
+        if tuple(source.shape(key)) != expected:
+            mismatched.append(f"{key}: got {list(source.shape(key))}, expected {list(expected)}")
+            keys.setdefault(target, {}).setdefault(idx.get("j", 0), "")  # not also "missing"
+            continue
+        keys.setdefault(target, {})[idx.get("j", 0)] = key
+        rules[target] = rule
+
+    missing = []
+    for rule in _RULES:
+        for idx in _expand(cfg, rule):
+            target = rule.model.format(**idx)
+            if target in leaves and idx.get("j", 0) not in keys.get(target, {}):
+                missing.append(rule.hf.format(**idx))
+    if missing or unexpected or mismatched:
+        lines = [f"checkpoint does not fit ModelConfig({_short(cfg)}):"]
+        for title, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape mismatch", mismatched),
+        ):
+            if items:
+                lines.append(f"  {title} ({len(items)}):")
+                lines += [f"    {s}" for s in items[:50]]
+                if len(items) > 50:
+                    lines.append(f"    ... and {len(items) - 50} more")
+        raise CheckpointError("\n".join(lines))
+    return {
+        target: _Placement(rules[target], tuple(found[j] for j in sorted(found)))
+        for target, found in keys.items()
+    }
+
+
+def _short(cfg: ModelConfig) -> str:
+    return (
+        f"L={cfg.n_layers}, D={cfg.d_model}, H={cfg.n_heads}, Hkv={cfg.n_kv_heads}, "
+        f"Dh={cfg.head_dim}, E={cfg.n_experts}, K={cfg.top_k}, F={cfg.d_ff_expert}, "
+        f"V={cfg.vocab_size}"
+    )
+
+
+def _read_block(source, placement: _Placement, shape, index, dtype) -> np.ndarray:
+    """The block `index` (a tuple of slices) of the model parameter of `shape`, as `dtype`."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {index} of a parameter of shape {shape}")
+        bounds.append((start, stop))
+    layout = placement.rule.layout
+    if not placement.rule.per_expert:
+        return np.asarray(layout.read(source, placement.keys[0], bounds, shape), dtype)
+    (e0, e1), inner = bounds[0], bounds[1:]
+    out = np.empty([e1 - e0, *(b - a for a, b in inner)], dtype)
+    for j in range(e0, e1):
+        out[j - e0] = layout.read(source, placement.keys[j], inner, shape[1:])
+    return out
+
+
+def _sharding(shardings: Shardings | None, path: str, leaf) -> jax.sharding.Sharding:
+    if shardings is None:  # one device, as a restored checkpoint is
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if callable(shardings):
+        return shardings(path, leaf)
+    if path not in shardings:
+        raise ValueError(f"shardings names no sharding for parameter {path!r}")
+    return shardings[path]
+
+
+def model_from_hf_tensors(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray] | SafetensorsCheckpoint,
+    *,
+    shardings: Shardings | None = None,
+) -> Qwen3MoE:
+    """Build `Qwen3MoE(cfg)` from HF-keyed tensors (arrays, or a checkpoint read lazily).
+
+    Every parameter is `jax.make_array_from_callback` with its sharding (`shardings`; None: the
+    first device), whose callback reads only the block its device holds, cast to
+    `cfg.param_dtype`; devices holding the same block share one read. Shapes are checked first:
+    raises CheckpointError listing every missing, unexpected and shape-mismatched tensor.
+    """
+    source = tensors if isinstance(tensors, SafetensorsCheckpoint) else _ArrayTensors(tensors)
+    abstract = abstract_model(cfg)
+    graphdef, abs_state = nnx.split(abstract)
+    leaves = _model_leaves(abstract)
+    unfilled = set(_path_str(p) for p, _ in nnx.to_flat_state(abs_state)) - set(leaves)
+    if unfilled:  # only Params exist in this model; anything else would be a bug here
+        raise AssertionError(f"model has non-Param state {sorted(unfilled)}")
+    placements = _plan(cfg, source, leaves)
+    dtype = np.dtype(cfg.param_dtype)
+    if cfg.tie_embeddings and "lm_head.weight" in source.keys():
+        head, embed = (source.read(k, ()) for k in ("lm_head.weight", "model.embed_tokens.weight"))
+        if not np.array_equal(head.astype(dtype), embed.astype(dtype)):
+            raise CheckpointError("lm_head.weight differs from the tied embedding (tie_embeddings)")
+
+    flat = []
+    for name, (path, var) in leaves.items():
+        shape = tuple(var.shape)
+        blocks: dict[tuple, np.ndarray] = {}  # one read per distinct block (replicas share it)
+
+        def block(index, placement=placements[name], shape=shape, blocks=blocks):
+            key = tuple(s.indices(n) for s, n in zip(index, shape, strict=False))
+            if key not in blocks:
+                blocks[key] = _read_block(source, placement, shape, index, dtype)
+            return blocks[key]
+
+        sharding = _sharding(shardings, name, jax.ShapeDtypeStruct(shape, dtype))
+        flat.append((path, var.replace(jax.make_array_from_callback(shape, sharding, block))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def read_hf_config(directory: str | os.PathLike, **config_overrides) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint directory's `config.json` (`from_hf_config`)."""
+    hf_config = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    return ModelConfig.from_hf_config(hf_config, **config_overrides)
+
+
+def load_hf_checkpoint(
+    directory: str | os.PathLike, *, shardings: Shardings | None = None, **config_overrides
+) -> Qwen3MoE:
+    """Load a Hugging Face Qwen3-MoE directory into `Qwen3MoE`, each parameter straight onto its
+    devices (`shardings`, see `model_from_hf_tensors`; None: the first device), reading from
+    the files only what each device holds.
+
+    config_overrides: ModelConfig fields to set beyond config.json (e.g. dtype=jnp.float32).
+    """
+    cfg = read_hf_config(directory, **config_overrides)
+    return model_from_hf_tensors(cfg, SafetensorsCheckpoint(directory), shardings=shardings)
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
 def model_to_hf_tensors(model: Qwen3MoE, *, dtype=np.float32) -> dict[str, np.ndarray]:
     """The model's parameters under Hugging Face Qwen3-MoE keys and layouts, cast to `dtype`."""
     leaves = _model_leaves(model)
@@ -311,156 +420,15 @@ def model_to_hf_tensors(model: Qwen3MoE, *, dtype=np.float32) -> dict[str, np.nd
     return out
 
 
-def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Qwen3MoE:
-    """Build `Qwen3MoE(cfg)` from HF-keyed arrays, placing each after a shape check.
-
-    Raises CheckpointError listing every missing, unexpected and shape-mismatched tensor.
-    """
-    abstract = abstract_model(cfg)
-    graphdef, abs_state = nnx.split(abstract)
-    leaves = _model_leaves(abstract)
-    pdt = np.dtype(cfg.param_dtype)
-    filled: dict[str, np.ndarray] = {}
-    experts_seen: dict[str, set[int]] = {}
-    unexpected, mismatched = [], []
-    reported: set[str] = set()  # present but mismatched: not also reported missing
-    tied_head = None
-    for key in sorted(tensors):
-        if any(p.match(key) for p in _IGNORED):
-            continue
-        found = _match(key)
-        if found is None:
-            unexpected.append(f"{key} (no rule)")
-            continue
-        rule, idx = found
-        if idx.get("i", 0) >= cfg.n_layers or idx.get("j", 0) >= cfg.n_experts:
-            unexpected.append(f"{key} (index beyond n_layers={cfg.n_layers}/E={cfg.n_experts})")
-            continue
-        target = rule.model.format(**idx)
-        if target not in leaves:
-            if target == "lm_head" and cfg.tie_embeddings:
-                tied_head = key
-                continue
-            unexpected.append(f"{key} (model has no {target}; check the config)")
-            continue
-        full_shape = tuple(leaves[target][1].shape)
-        shape = full_shape[1:] if rule.per_expert else full_shape
-        arr = tensors[key]
-        expected = rule.layout.hf_shape(shape)
-        if tuple(arr.shape) != expected:
-            mismatched.append(f"{key}: got {list(arr.shape)}, expected {list(expected)}")
-            reported.add(key)
-            continue
-        value = rule.layout.to_model(np.asarray(arr), shape).astype(pdt)
-        if rule.per_expert:
-            if target not in filled:
-                filled[target] = np.zeros(full_shape, pdt)
-            filled[target][idx["j"]] = value
-            experts_seen.setdefault(target, set()).add(idx["j"])
-        else:
-            filled[target] = value
-    if tied_head is not None and "embed" in filled:
-        if not np.array_equal(np.asarray(tensors[tied_head], pdt), filled["embed"]):
-            mismatched.append(f"{tied_head}: differs from the tied embedding (tie_embeddings)")
-
-    missing = []
-    for rule in _RULES:
-        for idx in _expand(cfg, rule):
-            target = rule.model.format(**idx)
-            if target not in leaves:
-                continue
-            key = rule.hf.format(**idx)
-            absent = target not in filled or (
-                rule.per_expert and idx["j"] not in experts_seen[target]
-            )
-            if absent and key not in reported:
-                missing.append(key)
-    if missing or unexpected or mismatched:
-        lines = [f"checkpoint does not fit ModelConfig({_short(cfg)}):"]
-        for title, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("shape mismatch", mismatched),
-        ):
-            if items:
-                lines.append(f"  {title} ({len(items)}):")
-                lines += [f"    {s}" for s in items[:50]]
-                if len(items) > 50:
-                    lines.append(f"    ... and {len(items) - 50} more")
-        raise CheckpointError("\n".join(lines))
-
-    flat = []
-    for name, (path, var) in leaves.items():
-        flat.append((path, var.replace(jnp.asarray(filled[name]))))
-    unfilled = set(_path_str(p) for p, _ in nnx.to_flat_state(abs_state)) - set(leaves)
-    if unfilled:  # only Params exist in this model; anything else would be a bug here
-        raise AssertionError(f"model has non-Param state {sorted(unfilled)}")
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _short(cfg: ModelConfig) -> str:
-    return (
-        f"L={cfg.n_layers}, D={cfg.d_model}, H={cfg.n_heads}, Hkv={cfg.n_kv_heads}, "
-        f"Dh={cfg.head_dim}, E={cfg.n_experts}, K={cfg.top_k}, F={cfg.d_ff_expert}, "
-        f"V={cfg.vocab_size}"
-    )
-
-
-# ----------------------------------------------------------------------- checkpoint directory
-
-
-def load_hf_tensors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` or of the shards named by the index (memory-mapped)."""
-    directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        by_file: dict[str, list[str]] = {}
-        for key, file in weight_map.items():
-            by_file.setdefault(file, []).append(key)
-        out = {}
-        for file, keys in sorted(by_file.items()):
-            out.update(read_safetensors(directory / file, keys=keys))
-        return out
-    single = directory / SINGLE_FILE
-    if not single.exists():
-        raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    return read_safetensors(single)
-
-
-def load_hf_checkpoint(directory: str | os.PathLike, **config_overrides) -> Qwen3MoE:
-    """Load a Hugging Face Qwen3-MoE directory into `Qwen3MoE`.
-
-    config_overrides: ModelConfig fields to set beyond config.json (e.g. dtype=jnp.float32).
-    """
-    directory = Path(directory)
-    hf_config = json.loads((directory / CONFIG_FILE).read_text())
-    cfg = ModelConfig.from_hf_config(hf_config, **config_overrides)
-    return model_from_hf_tensors(cfg, load_hf_tensors(directory))
-
-
 def save_hf_checkpoint(
     directory: str | os.PathLike, model: Qwen3MoE, *, n_shards: int = 1, dtype=np.float32
 ) -> None:
-    """Write config.json and the weights (one file, or `n_shards` files plus the index)."""
-    if n_shards < 1:
-        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write config.json (`ModelConfig.to_hf_config`, the keys transformers 5 reads, which
+    transformers 4 reads as well) and the weights as `dtype` (one file, or `n_shards` files plus
+    the index)."""
     hf_config = model.cfg.to_hf_config()
-    hf_config["torch_dtype"] = str(np.dtype(dtype))
-    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+    hf_config["dtype"] = np.dtype(dtype).name
     tensors = model_to_hf_tensors(model, dtype=dtype)
-    if n_shards == 1:
-        write_safetensors(directory / SINGLE_FILE, tensors)
-        return
     keys = sorted(tensors)
-    weight_map = {}
-    for s in range(n_shards):
-        file = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
-        part = {k: tensors[k] for k in keys[s::n_shards]}
-        write_safetensors(directory / file, part)
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(int(t.nbytes) for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    shards = ({k: tensors[k] for k in keys[s::n_shards]} for s in range(n_shards))
+    write_hf_checkpoint(directory, hf_config, shards, n_shards=n_shards)

@@ -27,11 +27,18 @@ def make_mesh(data: int, expert: int = 1) -> jax.sharding.Mesh:
 
 
 def _param_sharding(mesh, path, x) -> NamedSharding:
-    name = jax.tree_util.keystr(path)
+    name = path if isinstance(path, str) else jax.tree_util.keystr(path)
     is_expert = any(f"'{w}'" in name or f".{w}" in name for w in EXPERT_WEIGHTS)
     if is_expert and getattr(x, "ndim", 0) == 3 and x.shape[0] % mesh.shape["expert"] == 0:
         return NamedSharding(mesh, P("expert"))
     return NamedSharding(mesh, P())
+
+
+def param_sharding_rule(mesh: jax.sharding.Mesh):
+    """`shard_model`'s placement as a function of a parameter's dotted path
+    ("layers.0.moe.w_gate") and shape (a `jax.ShapeDtypeStruct`): the form
+    `load_hf_checkpoint(shardings=...)` takes, so a checkpoint loads straight into it."""
+    return lambda path, x: _param_sharding(mesh, path, x)
 
 
 def _shard_state(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
