@@ -27,6 +27,8 @@ ENTRY_POINTS = [
     "mismatch_analysis",
     "bench_guidance_store",
     "rollout_throughput",
+    "moe_matmul_ablation",
+    "hf_load_memory",
 ]
 WITHOUT_SMOKE_VARIANT = {"mismatch_analysis", "bench_guidance_store"}
 # Every module of experiments/ but the shared harness.
