@@ -25,7 +25,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from trace_jax import data
-from trace_jax.models import Qwen3MoE, init_model
+from trace_jax.models import Qwen3MoE
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rl.checkpoint import save_params
 from trace_jax.rl.config import GRPOConfig, make_optimizer
@@ -34,6 +34,7 @@ from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.step import sft_step
 from trace_jax.rl.workdir import guard_workdir
+from trace_jax.rl.workers import initial_model
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,12 @@ def evaluate_sft(model: Qwen3MoE, config: ExperimentConfig, key: jax.Array) -> l
 
 
 def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
-    """Trains `config.sft.steps` steps from a fresh `config.model` on the worked solutions of
-    the training dataset (`config.tasks`), checkpoints it, evaluates it; returns the evaluation
-    rows (`evaluate_sft`). Raises FloatingPointError on a non-finite logged loss, and before
-    any work (ValueError) when the examples carry no worked solutions or the tokenizer's ids do
-    not fit the model, then (`WorkdirConfigError`) when `workdir` holds an SFT stage of other
-    settings."""
+    """Trains `config.sft.steps` steps from a fresh `config.model` (`model.hf_dir`'s weights when
+    set) on the worked solutions of the training dataset (`config.tasks`), checkpoints it,
+    evaluates it; returns the evaluation rows (`evaluate_sft`). Raises FloatingPointError on a
+    non-finite logged loss, and before any work (ValueError) when the examples carry no worked
+    solutions or the tokenizer's ids do not fit the model, then (`WorkdirConfigError`) when
+    `workdir` holds an SFT stage of other settings."""
     sft = config.sft
     tokenizer = config.tasks.make_tokenizer()
     data.check_vocab(tokenizer, config.model.vocab_size)
@@ -80,7 +81,7 @@ def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
     if pad_to > MAX_ROW_TOKENS:
         raise ValueError(f"SFT rows of {pad_to} tokens exceed {MAX_ROW_TOKENS}")
     guard_workdir(workdir, "sft", config)
-    model = init_model(config.model, seed=config.seed)
+    model = initial_model(config, None)  # `model.hf_dir`'s weights when set
     opt_cfg = GRPOConfig(
         learning_rate=sft.learning_rate,
         warmup_steps=sft.warmup_steps,

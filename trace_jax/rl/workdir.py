@@ -100,7 +100,7 @@ class WorkdirConfigError(ValueError):
 
 def stage_settings(config: ExperimentConfig, stage: str) -> dict[str, Any]:
     """`{"stage": stage, setting: value}`: the settings `stage` records, under the ConfigDict's
-    dotted names, as JSON values (tuples as lists, dtypes by name, `rl.init_from` absolute)."""
+    dotted names, as JSON values (tuples as lists, dtypes by name, paths absolute)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {sorted(STAGES)}")
     out: dict[str, Any] = {"stage": stage}
@@ -109,6 +109,8 @@ def stage_settings(config: ExperimentConfig, stage: str) -> dict[str, Any]:
             out["seed"] = config.seed
             continue
         values = dataclasses.asdict(getattr(config, section))
+        if section == "model" and config.model_hf_dir:  # recorded only when set
+            values["hf_dir"] = os.path.abspath(config.model_hf_dir)
         if section == "rl":
             values |= values.pop("grpo")
             values["init_from"] = values["init_from"] and os.path.abspath(values["init_from"])

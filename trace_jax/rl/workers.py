@@ -44,13 +44,15 @@ from trace_jax import data
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
 from trace_jax.models import Qwen3MoE, init_model, resolve_implementation
+from trace_jax.models.hf_checkpoint import model_from_hf_tensors
+from trace_jax.models.hf_files import SafetensorsCheckpoint
 from trace_jax.quant import SiteMode
 from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.checkpoint import load_params
 from trace_jax.rl.config import make_optimizer
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.methods import MethodSetup
-from trace_jax.rl.sharding import mesh_context, place_batch, place_state
+from trace_jax.rl.sharding import mesh_context, param_sharding_rule, place_batch, place_state
 from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate
 
@@ -92,12 +94,29 @@ def split_rollout(roll: Rollout, parts: int) -> list[Rollout]:
     return [roll.rows(rows) for rows in mini_batch_slices(roll.tokens.shape[0], parts)]
 
 
+def initial_model(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
+    """`config.model` with the weights of the Hugging Face checkpoint `model.hf_dir`, each
+    parameter read straight onto its devices of `mesh` (or the first device), once the
+    tokenizer's ids are known to fit; without it, initialized from `config.seed`. What SFT
+    starts from."""
+    if not config.model_hf_dir:
+        return init_model(config.model, seed=config.seed)
+    run_tokenizer(config)
+    weights = SafetensorsCheckpoint(config.model_hf_dir)
+    rule = None if mesh is None else param_sharding_rule(mesh)
+    return model_from_hf_tensors(config.model, weights, shardings=rule)
+
+
 def init_policy(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
-    """The run's initial policy: `config.model` initialized from `config.seed`, loaded from
-    `rl.init_from` when set, placed on `mesh` (or committed to the first device)."""
-    model = init_model(config.model, seed=config.seed)
+    """The run's initial policy, placed on `mesh` (or committed to the first device): the
+    orbax checkpoint `rl.init_from` when set (it wins over `model.hf_dir`: an SFT checkpoint of
+    that model holds the newer weights, so the Hugging Face ones are not read), else
+    `initial_model`."""
     if config.rl.init_from:
+        model = init_model(config.model, seed=config.seed)
         load_params(model, config.rl.init_from)
+    else:
+        model = initial_model(config, mesh)
     place_state(model, mesh)
     return model
 
