@@ -16,8 +16,6 @@ from trace_jax import data, tasks
 from trace_jax.rl.config_dict import ConfigError
 from trace_jax.rl.evaluate import EvalSuite
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rl.loop import RLLoop
-from trace_jax.rl.metrics_log import read_rows
 from trace_jax.rl.sft import run_sft
 from trace_jax.rl.workers import RolloutWorker, Trainer, group_problems
 
@@ -143,17 +141,3 @@ def test_sft_needs_worked_solutions(files, tmp_path):
     cd.tasks.solution_field = ""
     with pytest.raises(ValueError, match=r"SFT needs worked solutions.*tasks\.solution_field"):
         run_sft(ExperimentConfig.from_config_dict(cd), str(tmp_path / "sft"))
-
-
-def test_an_hf_math_run_goes_through_the_loop_and_the_store(files, tmp_path):
-    """One TRACE step on the JSONL prompts through the BPE tokenizer: guidance written to and
-    read back from the store, math_verify rewards, evaluation on the held-out file."""
-    config = ExperimentConfig.from_config_dict(_hf_config_dict(files, mismatch_every=1))
-    loop = RLLoop(config, str(tmp_path))
-    (row,) = loop.run()
-    assert isinstance(loop.trainer.verifier, data.MathVerifier)
-    assert 0.0 <= row["reward"] <= 1.0 and np.isfinite(row["loss"])
-    assert "code_mismatch" in row  # the rollout's FP4 codes reached the trainer
-    assert row["time_guidance_read_s"] >= 0.0
-    (evaluation,) = read_rows(str(tmp_path / "rl_eval.jsonl"))
-    assert set(evaluation) == {"step", "test"} and 0.0 <= evaluation["test"] <= 1.0

@@ -164,7 +164,7 @@ def test_mismatch_steps_log_per_site_code_mismatch(tmp_path):
             eval_every=0,
             method=method,
             mismatch_every=1,
-            max_new_tokens=16,
+            max_new_tokens=8,
         )
         config = ExperimentConfig.from_config_dict(cd)
         rows[method] = RLLoop(config, str(tmp_path / method)).run()[0]
