@@ -36,6 +36,8 @@ import jinja2.sandbox
 import numpy as np
 import tokenizers
 
+from trace_jax.tasks.tokenizer import response_body
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -135,17 +137,9 @@ class HFTokenizer:
     def response_text(self, ids: Sequence[int] | np.ndarray) -> str | None:
         """The decoded response up to its first stop id; None when it holds none (cut off),
         holds an id outside [0, vocab_size) before it, or `ids` is not a 1-D integer sequence."""
-        try:
-            ids = np.asarray(ids)
-            if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-                return None
-            ids = ids.astype(np.int64)
-        except (TypeError, ValueError, OverflowError):
+        body = response_body(ids, self.stop_ids)
+        if body is None:
             return None
-        ends = np.flatnonzero(np.isin(ids, self.stop_ids))
-        if ends.size == 0:
-            return None
-        body = ids[: ends[0]]
         if ((body < 0) | (body >= self.vocab_size)).any():
             return None  # the model's vocabulary may be larger than the tokenizer's
         return self.decode(body)

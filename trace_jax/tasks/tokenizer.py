@@ -36,6 +36,21 @@ VOCAB_SIZE = len(VOCAB)
 _CHAR_TO_ID = {c: i + len(SPECIAL_TOKENS) for i, c in enumerate(CHARS)}
 
 
+def response_body(ids: Sequence[int] | np.ndarray, stop_ids: Sequence[int]) -> np.ndarray | None:
+    """int64 [T]: response ids before the first of `stop_ids`; None when `ids` are not a 1-D
+    integer sequence or hold no stop id (the response was cut off). Never raises on model
+    output (every tokenizer's `response_text` starts here)."""
+    try:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            return None
+        ids = ids.astype(np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    ends = np.flatnonzero(np.isin(ids, np.asarray(stop_ids, np.int64)))
+    return None if ends.size == 0 else ids[: ends[0]]
+
+
 class CharTokenizer:
     """Encodes text over `CHARS` to int32 ids and back; stateless (use the `TOKENIZER` instance)."""
 
@@ -101,17 +116,9 @@ class CharTokenizer:
         """The text of response ids up to the first EOS; None when there is no EOS (cut off),
         or a non-text id (PAD, BOS, outside the vocabulary) comes before it, or `ids` are not
         a 1-D integer sequence. Never raises on model output."""
-        try:
-            ids = np.asarray(ids)
-            if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-                return None
-            ids = ids.astype(np.int64)
-        except (TypeError, ValueError, OverflowError):
+        body = response_body(ids, (EOS_ID,))
+        if body is None:
             return None
-        ends = np.flatnonzero(ids == EOS_ID)
-        if ends.size == 0:
-            return None
-        body = ids[: ends[0]]
         if ((body < len(SPECIAL_TOKENS)) | (body >= VOCAB_SIZE)).any():
             return None
         return self.decode(body)
