@@ -26,6 +26,13 @@ from trace_jax.models.config import (
     resolve_implementation,
     site_implementation,
 )
+from trace_jax.models.hf_checkpoint import (
+    load_hf_checkpoint,
+    model_from_hf_tensors,
+    read_hf_config,
+    save_hf_checkpoint,
+)
+from trace_jax.models.hf_files import CheckpointError, SafetensorsCheckpoint
 from trace_jax.models.moe import (
     MoE,
     MoEImpl,
@@ -57,6 +64,7 @@ from trace_jax.models.qwen3_moe import (
 __all__ = [
     "IMPLEMENTATION_SETTINGS",
     "Attention",
+    "CheckpointError",
     "DecoderLayer",
     "KVCache",
     "LayerKVCache",
@@ -69,6 +77,7 @@ __all__ = [
     "Qwen3MoE",
     "RMSNorm",
     "Routing",
+    "SafetensorsCheckpoint",
     "SiteName",
     "abstract_model",
     "active_param_count",
@@ -87,14 +96,18 @@ __all__ = [
     "init_cache",
     "init_model",
     "kernel_order",
+    "load_hf_checkpoint",
+    "model_from_hf_tensors",
     "pack_experts",
     "pack_model_experts",
     "param_count",
     "prefill",
     "prefill_jit",
+    "read_hf_config",
     "resolve_implementation",
     "rope_angles",
     "route",
+    "save_hf_checkpoint",
     "site_implementation",
     "switch_aux_loss",
 ]

@@ -4,6 +4,7 @@ as objects: `ExperimentConfig`, `RLLoop` (rollout worker + trainer), `run_sft`."
 
 from trace_jax.rl.advantages import ADVANTAGES, get_advantage_fn, grpo_advantages
 from trace_jax.rl.config import GRPOConfig, make_optimizer, make_schedule
+from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import (
     DisaggregatedConfig,
     EvalConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "METHODS",
     "DisaggregatedConfig",
     "EvalConfig",
+    "EvalSuite",
     "ExperimentConfig",
     "GRPOConfig",
     "MeshConfig",
@@ -75,6 +77,7 @@ __all__ = [
     "make_schedule",
     "masked_mean",
     "move_aside",
+    "pass_at_1_by_split",
     "ppo_clip_loss",
     "register_method",
     "run_sft",
