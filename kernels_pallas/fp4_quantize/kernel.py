@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import common
-from trace_jax.fp4 import BlockFormat, GuidanceMode
+from trace_jax.fp4 import BlockFormat, GuidanceMode, numerics
 from trace_jax.fp4.quantize import Rounding, quantize_core
 from trace_jax.fp4.scales import global_scale_from_amax
 
@@ -121,7 +121,7 @@ def _kernel(
         else:  # the row's max |x| over all chunks first
             amax = None
             for a, b in chunks:
-                m = jnp.max(jnp.abs(x_chunk(a, b)), axis=1, keepdims=True)
+                m = numerics.abs_max(x_chunk(a, b), 1, keepdims=True)
                 amax = m if amax is None else jnp.maximum(amax, m)
             s_g = global_scale_from_amax(amax, fmt)
     rounding = Rounding.RTN if guide_mode is None else Rounding.GUIDED

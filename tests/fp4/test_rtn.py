@@ -112,10 +112,12 @@ def test_dequantize_dtype_and_bf16_input():
     np.testing.assert_array_equal(np.asarray(q.codes), ref.codes)
 
 
+# 3 x 2048 reaches 4096 elements, from where XLA's CPU float max reduction drops NaN.
+@pytest.mark.parametrize("cols", [64, 2048])
 @pytest.mark.parametrize("name", NAMES)
-def test_nan_and_inf_make_their_block_nan(name):
+def test_nan_and_inf_make_their_block_nan(name, cols):
     fmt = fp4.get_format(name)
-    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((3, cols)).astype(np.float32)
     x[0, 3] = np.nan
     x[1, 5] = np.inf
     _, values, _ = _quantize_dequantize(jnp.asarray(x), fmt)
@@ -242,3 +244,18 @@ def test_quantize_core_uses_the_given_estimate_and_keeps_its_bits(ulps):
     assert sorted(calls) == [(8, 1), (8, 16)]  # per row, per block
     for u, v in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4096), (2, 3, 2048)])
+def test_abs_max_equals_numpy_and_keeps_nan(shape):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 1e3).astype(np.float32)
+    x.reshape(-1)[rng.integers(x.size)] = -np.inf
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda a: numerics.abs_max(a, -1))(x)), np.abs(x).max(-1)
+    )
+    x.reshape(-1)[-1] = -np.nan  # a NaN with its sign bit set, in the last row
+    got = np.asarray(jax.jit(lambda a: numerics.abs_max(a, None, keepdims=True))(x))
+    assert got.shape == (1,) * x.ndim and np.isnan(got).all()
+    rows = np.asarray(jax.jit(lambda a: numerics.abs_max(a, -1))(x)).reshape(-1)
+    assert np.isnan(rows[-1]) and not np.isnan(rows[:-1]).any()

@@ -29,6 +29,18 @@ _ROUNDING_MAGIC = np.float32(2.0**_F32_MANT_BITS)
 _ROUNDING_MAGIC_BITS = 0x4B000000  # the float32 bits of 2**23
 
 
+def abs_max(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:
+    """float32 `max |x|` over `axis`, NaN wherever a reduced element is NaN, on every backend.
+
+    Reduced over the bit patterns: for non-negative float32 the int32 order of the bits is the
+    float order, +Inf above every finite value and every NaN above +Inf, so an integer max is the
+    float max with NaN kept. A float max reduction does not promise that: XLA's CPU backend drops
+    NaN from reductions of 4096 or more elements, and Triton's max ignores NaN.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis, keepdims=keepdims), jnp.float32)
+
+
 def floor_log2(a: jax.Array) -> jax.Array:
     """floor(log2(a)) for positive normal float32 `a`, read from the exponent bits (int32).
 

@@ -70,7 +70,7 @@ def normalize_global_axes(global_axes: tuple[int, ...] | None, ndim: int) -> tup
 
 def global_scale(x: jax.Array, fmt: BlockFormat, axes: tuple[int, ...]) -> jax.Array:
     """NVFP4 float32 global scale `amax / (6 * 448)` over `axes` (kept as size-1 dims)."""
-    return global_scale_from_amax(jnp.max(jnp.abs(x), axis=axes, keepdims=True), fmt)
+    return global_scale_from_amax(numerics.abs_max(x, axes, keepdims=True), fmt)
 
 
 def global_scale_from_amax(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
@@ -89,7 +89,7 @@ def block_scale_bits(
     float8 arrays, so that Pallas kernels (Triton has no E8M0 type) run the same code.
     `estimate`: `reciprocal`'s.
     """
-    amax = jnp.max(jnp.abs(xb), axis=-1)
+    amax = numerics.abs_max(xb, -1)
     nonfinite = ~jnp.isfinite(amax)
     if fmt.scale is ScaleType.E8M0:
         e = numerics.floor_log2(amax) - fmt.elem.max_exponent
