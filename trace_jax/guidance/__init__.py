@@ -2,14 +2,17 @@
 
 Modules, each importing only those listed before it:
 
-- `errors`, `layout`, `config`: error types; keys, zarr3 specs, manifests; `GuidanceStoreConfig`.
+- `errors`, `layout`, `config`: error types; keys, zarr3 specs, manifests; `GuidanceStoreConfig`
+  (a local directory, an object store URL such as "s3://bucket/prefix/" with `S3Options`, or a
+  tensorstore spec).
 - `kvstore`: the open kvstore; kvstore failures as guidance errors.
+- `shards`: which process writes and reads which stored shard of a global array (multi-process).
 - `versions`: the policy-version handshake and the staleness rule.
 - `writer`, `reader`, `gc`: asynchronous committed writes; verified reads; listing and deletion.
 - `store`: `GuidanceStore`, the parts above over one kvstore.
 """
 
-from trace_jax.guidance.config import Fallback, GuidanceStoreConfig
+from trace_jax.guidance.config import Fallback, GuidanceStoreConfig, S3Options
 from trace_jax.guidance.errors import (
     GuidanceCorruptError,
     GuidanceError,
@@ -40,5 +43,6 @@ __all__ = [
     "GuidanceVersionError",
     "GuidanceWriter",
     "PolicyVersions",
+    "S3Options",
     "WriteResult",
 ]

@@ -33,19 +33,28 @@ class Kv:
     def open(cls, config: GuidanceStoreConfig) -> Kv:
         """Opens `config.kvstore`; `config.durable` turns on fsync of every written file."""
         context = ts.Context({"file_io_sync": bool(config.durable)})
-        store = ts.KvStore.open(config.kvstore_spec(), context=context).result()
+        spec = config.kvstore_spec()
+        try:
+            store = ts.KvStore.open(spec, context=context).result()
+        except ValueError as e:  # tensorstore's own check of the spec's fields
+            raise ValueError(f"kvstore {spec} is not a valid tensorstore kvstore spec: {e}") from e
         if store.path and not store.path.endswith("/"):
             store.path = store.path + "/"
         return cls(store, context)
 
-    def open_zarr3(self, path: str, *, create: bool = False, **spec) -> ts.Future:
+    def open_zarr3(
+        self, path: str, *, create: bool = False, assume_metadata: bool = False, **spec
+    ) -> ts.Future:
         """Opens the zarr3 array under `path` of this kvstore in its context, or with `create`
-        creates it (failing if it exists); `spec`: more of its tensorstore spec."""
+        creates it (failing if it exists), or with `assume_metadata` opens it as `spec`'s
+        metadata describes it, whether or not its zarr.json exists yet (neither read nor
+        written); `spec`: more of its tensorstore spec."""
         return ts.open(
             {"driver": "zarr3", **spec},
             kvstore=self.store / path,
             open=not create,
             create=create,
+            assume_metadata=assume_metadata,
             context=self.context,
         )
 

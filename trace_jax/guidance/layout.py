@@ -5,12 +5,19 @@ Keys, relative to the store's kvstore root (one entry = one (run, step, micro-ba
     <run>/policy_version.json                          trainer's published policy version
     <run>/step_<step:010d>/mb_<mb:05d>/manifest.json   commit marker, written last
     <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/zarr.json
-    <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/c/0/.../0
+    <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/c/<i>/.../<k>
+    <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/parts/<process:05d>.json  (multi-process)
 
 `<leaf>` is one of payload, scales, global_scale, mask (absent leaves are not stored); `<quoted
 site>` is the site key ("layer/name") percent-encoded into one path component ("3%2Fk"). Each leaf
-is one zarr3 array whose single shard (shard shape = array shape) holds inner chunks of about
-`inner_chunk_bytes`, each followed by its crc32c, and a crc32c-protected shard index.
+is one zarr3 array cut into shards (zarr3 `sharding_indexed`; one object each, `c/<i>/.../<k>` at
+shard grid position (i, ..., k)): a single shard for an array written whole by one process, or
+one per jax shard of a global array, so that each process of a multi-process write writes whole
+objects of its own (`shards.py`). A shard holds inner chunks of about `inner_chunk_bytes`, each
+followed by its crc32c, and a crc32c-protected shard index; the manifest records each shard's
+crc32 (C order over the shard grid), so a process that reads some rows checks exactly the shards
+it reads. A multi-process write leaves one part record per process (the crc32s of the shards it
+wrote), which process 0 folds into the manifest.
 `<token>` is unique per write attempt, so racing or retried writers never overwrite each other's
 data; the manifest names the token it commits. Step numbers are zero-padded so a step range is a
 key range (garbage collection is one `delete_range`).
@@ -31,7 +38,7 @@ import numpy as np
 
 from trace_jax.fp4.formats import BlockFormat
 
-SCHEMA = "trace-jax/guidance/1"
+SCHEMA = "trace-jax/guidance/2"
 LEAVES = ("payload", "scales", "global_scale", "mask")
 MANIFEST = "manifest.json"
 VERSION_KEY = "policy_version.json"
@@ -88,6 +95,10 @@ class EntryKey:
         """The prefix of one leaf's zarr3 array (`site_dir`: the site's `site_dir`)."""
         return f"{self.data_prefix(data_dir)}{site_dir}/{leaf}/"
 
+    def part_key(self, data_dir: str, process: int) -> str:
+        """The part record of process `process` in a multi-process write attempt."""
+        return f"{self.data_prefix(data_dir)}parts/{process:05d}.json"
+
     def __str__(self) -> str:
         return f"guidance[run={self.run!r}, step={self.step}, micro_batch={self.micro_batch}]"
 
@@ -141,28 +152,45 @@ def crc32(x: np.ndarray) -> int:
 # ---- zarr3 ------------------------------------------------------------------------------------
 
 
-def inner_chunk_shape(shape: tuple[int, ...], itemsize: int, target_bytes: int) -> list[int]:
-    """Inner chunk of about `target_bytes`: whole trailing axes, split along the leading ones."""
+def inner_chunk_shape(
+    shape: tuple[int, ...], itemsize: int, target_bytes: int, *, divides: bool = False
+) -> list[int]:
+    """Inner chunk of about `target_bytes`: whole trailing axes, split along the leading ones;
+    with `divides`, one that tiles `shape` exactly (the split axis takes a divisor of its size)."""
     chunk = [max(1, d) for d in shape]
     for axis in range(len(chunk)):
         row_bytes = math.prod(chunk[axis + 1 :]) * itemsize  # one index along `axis`
         if row_bytes * chunk[axis] <= target_bytes:
             break
         if row_bytes <= target_bytes:
-            chunk[axis] = max(1, target_bytes // row_bytes)
+            rows = max(1, target_bytes // row_bytes)
+            if divides:
+                rows = next(r for r in range(rows, 0, -1) if chunk[axis] % r == 0)
+            chunk[axis] = rows
             break
         chunk[axis] = 1
     return chunk
 
 
 def array_metadata(
-    shape: tuple[int, ...], dtype: str, *, inner_chunk_bytes: int, zstd_level: int | None
+    shape: tuple[int, ...],
+    dtype: str,
+    *,
+    inner_chunk_bytes: int,
+    zstd_level: int | None,
+    shard_shape: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """zarr3 metadata: one shard per array, crc32c on each inner chunk and on the shard index."""
-    inner = inner_chunk_shape(tuple(shape), np.dtype(dtype).itemsize, inner_chunk_bytes)
-    # One shard covers the whole array; it is rounded up to whole inner chunks (the sharding codec
-    # needs them to tile it), and inner chunks past the array's end are never written.
-    shard = [-(-max(1, d) // c) * c for d, c in zip(shape, inner, strict=True)]
+    """zarr3 metadata: shards of `shard_shape` (None: one shard for the whole array), crc32c on
+    each inner chunk and on each shard's index."""
+    itemsize = np.dtype(dtype).itemsize
+    if shard_shape is None:
+        inner = inner_chunk_shape(tuple(shape), itemsize, inner_chunk_bytes)
+        # One shard covers the whole array; it is rounded up to whole inner chunks (the sharding
+        # codec needs them to tile it), and inner chunks past the array's end are never written.
+        shard = [-(-max(1, d) // c) * c for d, c in zip(shape, inner, strict=True)]
+    else:
+        shard = [max(1, d) for d in shard_shape]
+        inner = inner_chunk_shape(tuple(shard), itemsize, inner_chunk_bytes, divides=True)
     inner_codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if zstd_level is not None:
         inner_codecs.append({"name": "zstd", "configuration": {"level": zstd_level}})
@@ -189,6 +217,21 @@ def array_metadata(
             }
         ],
     }
+
+
+def shard_grid(shape: tuple[int, ...], shard_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shards per axis (at least one, also along an empty axis)."""
+    return tuple(max(1, -(-d // c)) for d, c in zip(shape, shard_shape, strict=True))
+
+
+def shard_region(
+    shape: tuple[int, ...], shard_shape: tuple[int, ...], flat: int
+) -> tuple[slice, ...]:
+    """The part of the array that shard number `flat` (C order over the grid) covers."""
+    cell = np.unravel_index(flat, shard_grid(shape, shard_shape))
+    return tuple(
+        slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(cell, shard_shape, shape, strict=True)
+    )
 
 
 # ---- manifests --------------------------------------------------------------------------------
@@ -243,5 +286,12 @@ def _check_body(body: dict[str, Any]) -> None:
         for leaf, leaf_doc in need(doc, "leaves", dict, where).items():
             if leaf not in LEAVES or STORED_DTYPE[leaf] != need(leaf_doc, "stored_dtype", str):
                 raise ValueError(f"{where} has an unknown leaf {leaf!r} or stored dtype")
-            need(leaf_doc, "shape", list, f"{where} leaf {leaf!r}")
-            need(leaf_doc, "crc32", int, f"{where} leaf {leaf!r}")
+            at = f"{where} leaf {leaf!r}"
+            shape = need(leaf_doc, "shape", list, at)
+            shard = need(leaf_doc, "shard_shape", list, at)
+            crcs = need(leaf_doc, "crc32", list, at)
+            ok = len(shape) == len(shard) and all(isinstance(c, int) and c >= 1 for c in shard)
+            ok = ok and all(isinstance(d, int) and d >= 0 for d in shape)
+            ok = ok and all(isinstance(c, int) for c in crcs)
+            if not ok or len(crcs) != math.prod(shard_grid(shape, shard)):
+                raise ValueError(f"{at} has shard shape {shard} and {len(crcs)} crc32s for {shape}")

@@ -2,13 +2,16 @@
 
 Every read is verified: the manifest's crc32 and its (run, step, micro-batch), the policy version
 against the staleness window, crc32c of every inner chunk and shard index (zarr3 sharding codec),
-crc32 of every leaf (end to end: catches a valid shard swapped in from another entry), shapes,
-dtypes and the `Guidance` layout. Missing, corrupt or wrong-version guidance raises
+crc32 of every stored shard it reads (end to end: catches a valid shard swapped in from another
+entry), shapes, dtypes and the `Guidance` layout. Missing, corrupt or wrong-version guidance raises
 `GuidanceMissingError`, `GuidanceCorruptError` or `GuidanceVersionError`, naming the entry; with
 `fallback="rtn"` `read` returns None instead, counted in `fallback_count` and logged, and the
 trainer quantizes that micro-batch with round-to-nearest. Nothing is used silently.
 
-Reads return host (numpy) arrays; place them with `jax.device_put(guidance, sharding)`.
+Reads return host (numpy) arrays of whole leaves, or with `sharding` global `jax.Array`s placed
+by it: each process then reads only the stored shards that overlap the rows its devices hold
+(`shards.py`), so it checks those shards alone. In a multi-process run a damaged shard therefore
+raises (or falls back) on the processes that read it, not on all of them.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import numpy as np
 
-from trace_jax.fp4.formats import get_format
+from trace_jax.fp4.formats import BlockFormat, get_format
 from trace_jax.fp4.guidance import Guidance, GuidanceMode
-from trace_jax.guidance import layout
+from trace_jax.guidance import layout, shards
 from trace_jax.guidance.config import Fallback, GuidanceStoreConfig
 from trace_jax.guidance.errors import (
     GuidanceCorruptError,
@@ -68,8 +72,10 @@ class GuidanceReader:
         sites: Iterable[str] | None = None,
         fallback: str | Fallback | None = None,
         timeout_s: float = 0.0,
+        sharding: jax.sharding.NamedSharding | None = None,
     ) -> dict[str, Guidance] | None:
-        """Reads and verifies one entry: site key -> `Guidance` with host (numpy) arrays.
+        """Reads and verifies one entry: site key -> `Guidance` with host (numpy) arrays, or with
+        `sharding` global arrays placed by it.
 
         Args:
           run, step, micro_batch: the entry.
@@ -79,6 +85,10 @@ class GuidanceReader:
           sites: site keys to return (all of them must be present); None: every stored site.
           fallback: "error" or "rtn" (default: the config's); see `Fallback`.
           timeout_s: wait up to this long for the entry to be committed.
+          sharding: place every leaf by it (rows `[B, ...]` split over its mesh axes), reading
+            only the stored shards this process's devices need; its spec is cut to each leaf's
+            rank, and an axis it cannot split evenly (a per-tensor global scale `[1, 1]`) is
+            kept whole. None: whole host arrays.
 
         Returns:
           The guidance, or None on a counted RTN fallback.
@@ -94,8 +104,10 @@ class GuidanceReader:
             raise ValueError(f"max_staleness must be >= 0, got {staleness}")
         fallback = self.config.fallback if fallback is None else Fallback(fallback)
         sites = None if sites is None else list(sites)
+        if sharding is not None and not isinstance(sharding, jax.sharding.NamedSharding):
+            raise TypeError(f"sharding must be a NamedSharding or None, got {sharding!r}")
         try:
-            return self._read(key, expected, staleness, sites, timeout_s)
+            return self._read(key, expected, staleness, sites, timeout_s, sharding)
         except (GuidanceMissingError, GuidanceCorruptError, GuidanceVersionError) as e:
             if fallback is Fallback.ERROR:
                 raise
@@ -188,6 +200,7 @@ class GuidanceReader:
         staleness: int,
         sites: list[str] | None,
         timeout_s: float,
+        sharding: jax.sharding.NamedSharding | None,
     ) -> dict[str, Guidance]:
         manifest = self._manifest(key, timeout_s)
         check_staleness(key, manifest["policy_version"], expected, staleness)
@@ -198,14 +211,18 @@ class GuidanceReader:
             raise GuidanceMissingError(
                 f"{key} has no guidance for sites {absent}; it holds {sorted(stored_sites)}"
             )
-        arrays = self._read_leaves(key, manifest, wanted)
+        fmts, modes = {}, {}
+        for site in wanted:
+            try:
+                fmts[site] = get_format(stored_sites[site]["fmt"])
+                modes[site] = GuidanceMode(stored_sites[site]["mode"])
+            except (KeyError, ValueError) as e:
+                raise GuidanceCorruptError(f"{key}: site {site!r}: {e}") from None
+        arrays = self._read_leaves(key, manifest, fmts, sharding)
         out = {}
         for site in wanted:
-            doc = stored_sites[site]
+            leaves = arrays[site]
             try:
-                fmt = get_format(doc["fmt"])
-                mode = GuidanceMode(doc["mode"])
-                leaves = {k: layout.from_stored(k, v, fmt) for k, v in arrays[site].items()}
                 if "payload" not in leaves or "scales" not in leaves:
                     raise ValueError("payload or scales not stored")
                 g = Guidance(
@@ -213,45 +230,70 @@ class GuidanceReader:
                     leaves["scales"],
                     leaves.get("global_scale"),
                     leaves.get("mask"),
-                    fmt,
-                    mode,
+                    fmts[site],
+                    modes[site],
                 )
-                g.check_matches(tuple(doc["shape"]), fmt)
+                g.check_matches(tuple(stored_sites[site]["shape"]), fmts[site])
             except ValueError as e:
                 raise GuidanceCorruptError(f"{key}: site {site!r}: {e}") from None
             out[site] = g
         return out
 
     def _read_leaves(
-        self, key: EntryKey, manifest: dict[str, Any], sites: list[str]
-    ) -> dict[str, dict[str, np.ndarray]]:
-        """site -> leaf -> stored array, checked against the manifest's shapes, dtypes, crc32s."""
+        self,
+        key: EntryKey,
+        manifest: dict[str, Any],
+        fmts: dict[str, BlockFormat],
+        sharding: jax.sharding.NamedSharding | None,
+    ) -> dict[str, dict[str, np.ndarray | jax.Array]]:
+        """site -> leaf -> array (logical dtype): whole host arrays, or global arrays placed by
+        `sharding` built from the shards this process needs. Every stored shard read is checked
+        against the manifest's shapes, dtypes and crc32s."""
         # Open every array, then start every read, then wait: the kvstore round trips overlap.
         opened = []
-        for site in sites:
+        for site, fmt in fmts.items():
             doc = manifest["sites"][site]
             for leaf, leaf_doc in doc["leaves"].items():
                 path = key.leaf_prefix(manifest["data"], doc["dir"], leaf)
                 # A missing chunk is damage here, not the fill value.
                 f = self._kv.open_zarr3(path, fill_missing_data_reads=False)
-                opened.append((site, leaf, leaf_doc, path, f))
+                opened.append((site, fmt, leaf, leaf_doc, path, f))
         reads = []
-        for site, leaf, leaf_doc, path, f in opened:
+        for site, fmt, leaf, leaf_doc, path, f in opened:
             arr = ts_call(f, key, path)
-            want = (tuple(leaf_doc["shape"]), np.dtype(leaf_doc["stored_dtype"]))
+            shape, shard_shape = tuple(leaf_doc["shape"]), tuple(leaf_doc["shard_shape"])
+            want = (shape, np.dtype(leaf_doc["stored_dtype"]))
             got = (tuple(arr.shape), np.dtype(arr.dtype.numpy_dtype))
             if got != want:
                 raise GuidanceCorruptError(
                     f"{key}: {path!r} holds (shape, dtype) {got}, the manifest says {want}"
                 )
-            reads.append((site, leaf, leaf_doc, path, arr.read()))
-        arrays: dict[str, dict[str, np.ndarray]] = collections.defaultdict(dict)
-        for site, leaf, leaf_doc, path, f in reads:
-            x = ts_call(f, key, path)
-            if layout.crc32(x) != leaf_doc["crc32"]:
-                raise GuidanceCorruptError(
-                    f"{key}: {path!r}: crc32 {layout.crc32(x):08x} != {leaf_doc['crc32']:08x} "
-                    "recorded at write time"
-                )
-            arrays[site][leaf] = x
+            if sharding is None:
+                placed, flats = None, list(range(len(leaf_doc["crc32"])))
+                regions = {i: layout.shard_region(shape, shard_shape, i) for i in flats}
+                pending = [(flats, arr.read())]  # the whole array at once, checked per shard
+            else:
+                placed = shards.leaf_sharding(sharding, shape)
+                flats = shards.needed_shards(placed, shape, shard_shape)
+                regions = {i: layout.shard_region(shape, shard_shape, i) for i in flats}
+                pending = [([i], arr[regions[i]].read()) for i in flats]
+            reads.append((site, fmt, leaf, leaf_doc, path, placed, regions, pending))
+        arrays: dict[str, dict[str, np.ndarray | jax.Array]] = collections.defaultdict(dict)
+        for site, fmt, leaf, leaf_doc, path, placed, regions, pending in reads:
+            pieces = {}
+            for flats, f in pending:
+                x = ts_call(f, key, path)
+                for i in flats:
+                    piece = x[regions[i]] if placed is None else x  # the whole array: cut shard i
+                    if layout.crc32(piece) != leaf_doc["crc32"][i]:
+                        raise GuidanceCorruptError(
+                            f"{key}: {path!r} shard {i}: crc32 {layout.crc32(piece):08x} != "
+                            f"{leaf_doc['crc32'][i]:08x} recorded at write time"
+                        )
+                    pieces[i] = layout.from_stored(leaf, piece, fmt)
+            if placed is None:
+                arrays[site][leaf] = layout.from_stored(leaf, x, fmt)
+            else:
+                shape, shard_shape = tuple(leaf_doc["shape"]), tuple(leaf_doc["shard_shape"])
+                arrays[site][leaf] = shards.place(pieces, shape, shard_shape, placed)
         return arrays

@@ -18,10 +18,17 @@ training may be separate processes or hosts linked only by the store:
   samples again, each one key-range delete (`gc.py`).
 
 The store composes these parts over one kvstore: a local directory by default
-(`GuidanceStoreConfig.kvstore`), `{"driver": "memory"}` for tests (per process), or any
-tensorstore kvstore spec or URL ("gs://bucket/dir/", "s3://...") for multi-host runs. A process
-that only writes or only reads may use `GuidanceWriter` or `GuidanceReader` alone. The on-disk
-layout is described in `trace_jax.guidance.layout`.
+(`GuidanceStoreConfig.kvstore`), `{"driver": "memory"}` for tests (per process), or object
+storage for multi-host runs: "s3://bucket/prefix/" (`S3Options` for an S3-compatible server:
+endpoint, region, credentials; conditional writes make the create-if-absent commit atomic there),
+"gs://bucket/prefix/", or any tensorstore kvstore spec (`config.py`). A process that only writes
+or only reads may use `GuidanceWriter` or `GuidanceReader` alone. The on-disk layout is described
+in `trace_jax.guidance.layout`.
+
+In a multi-process run (`jax.distributed`) whose guidance is global arrays, rows split over the
+mesh, every process calls `write_async` for the entry and writes only the shards it holds;
+process 0 commits after all have written (`writer.py`, `shards.py`). `read(..., sharding=...)`
+returns global arrays, each process reading and verifying only the rows its devices hold.
 """
 
 from __future__ import annotations
