@@ -1,13 +1,22 @@
-"""Shared pieces of the Pallas kernels: implementation choice, Triton params, in-kernel decode.
+"""Shared pieces of the Pallas kernels: where and how they run, Triton params, in-kernel decode.
 
 Every kernel package (`kernels_pallas/<op>/`) has a plain-jnp `reference.py`, a Pallas `kernel.py`
-and an `api.py`, the op's one public interface. Its `implementation=` keyword (tokamax's
-convention, `implementation_order`): None (default: Pallas where it runs natively, on a GPU, with
-the XLA reference as fallback; the reference alone elsewhere), "pallas" (Triton lowering on a GPU,
-interpret mode elsewhere; NotImplementedError where the kernel cannot take the shapes), "xla" (the
-reference), or a sequence of names tried in order. Each api says which implementation runs:
-`fp4_quantize_with_implementation` and `fp4_moe_matmul_with_implementation` return it with the
-result; the decode-attention ops plan their call first (`*_plan(...).implementation`).
+(Triton lowering, NVIDIA GPUs), a Pallas `mosaic.py` (Mosaic lowering, TPUs; the bf16 grouped
+matmul uses jax's megablox) and an `api.py`, the op's one public interface. Its
+`implementation=` keyword (tokamax's convention, `implementation_order`): None (default: Pallas
+where it compiles natively, with the XLA reference as fallback; the reference alone elsewhere),
+"pallas" (the kernel; NotImplementedError where it cannot take the shapes, and
+PallasUnavailableError, a NotImplementedError, where Pallas does not compile and no
+interpretation was asked for), "xla" (the reference), or a sequence of names tried in order.
+
+Where: kernels are built for `kernel_platform()`, JAX's default backend unless inside
+`lowering_for(platform)` (lowering on a CPU for a GPU or a TPU). How (`pallas_target`): natively,
+the Triton kernel on a GPU and the Mosaic kernel on a TPU; interpreted only when asked, by an
+op's `interpret=` (True: the Triton kernel in Pallas' generic interpreter;
+`pltpu.InterpretParams(...)`: the Mosaic kernel in the TPU interpreter) or, for calls that do
+not pass it (the model's), the `interpreting(...)` context. Each api says what runs:
+`*_with_implementation` return the implementation with the result; the decode-attention ops plan
+their call first (`*_plan(...)`: implementation, lowering, interpretation).
 
 In-kernel decoding reuses `trace_jax.fp4.numerics` (comparisons, shifts, float32 bit fields: all
 Pallas-friendly), so kernels and the quantizer share one definition of every format. Block scales
@@ -16,13 +25,17 @@ enter kernels as their uint8 bit patterns (Triton has no E8M0 type).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import enum
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from trace_jax.fp4 import BlockFormat, ElementType, ScaleType, numerics
@@ -36,31 +49,163 @@ class Implementation(enum.StrEnum):
     XLA = "xla"
 
 
+class Lowering(enum.StrEnum):
+    """The Pallas lowering of an op's kernel: Triton (`<op>/kernel.py`, NVIDIA GPUs) or Mosaic
+    (`<op>/mosaic.py`, TPUs)."""
+
+    TRITON = "triton"
+    MOSAIC = "mosaic"
+
+
 # What an op's `implementation=` accepts: None, a name, or names to try in order.
 ImplementationLike = str | Implementation | Sequence[str | Implementation] | None
-# The default order on a GPU, where Pallas lowers through Triton.
-GPU_ORDER = (Implementation.PALLAS, Implementation.XLA)
+# What an op's `interpret=` accepts (`pallas_target`).
+Interpret = bool | pltpu.InterpretParams | None
+# The default order where Pallas compiles natively.
+NATIVE_ORDER = (Implementation.PALLAS, Implementation.XLA)
+# The platforms kernels are built for (`jax.default_backend()` names), and where Pallas compiles.
+PLATFORMS = ("cpu", "gpu", "tpu")
+NATIVE_LOWERING = {"gpu": Lowering.TRITON, "tpu": Lowering.MOSAIC}
+_PLATFORM_ALIASES = {"cuda": "gpu"}  # `lowering_platforms` spells the NVIDIA GPU "cuda"
+
+# Both read when an op is called (under jit: traced), so a function jitted inside one of the
+# contexts keeps the choice in its compiled form. Context variables: each thread starts without
+# them, as with JAX's own configuration contexts.
+_lowering_platform: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kernels_pallas_lowering_platform", default=None
+)
+_interpret: contextvars.ContextVar[Interpret] = contextvars.ContextVar(
+    "kernels_pallas_interpret", default=None
+)
+
+
+def kernel_platform() -> str:
+    """The platform kernels are built for: "cpu", "gpu" or "tpu"; JAX's default backend unless
+    inside `lowering_for`."""
+    return _lowering_platform.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+    """Builds kernels for `platform` ("cpu", "gpu" (or "cuda"), "tpu") inside the block, whatever
+    the machine: for lowering on a CPU for another platform, e.g.
+
+        with lowering_for("tpu"):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    """
+    name = _PLATFORM_ALIASES.get(platform, platform)
+    if name not in PLATFORMS:
+        raise ValueError(f"platform must be one of {[*PLATFORMS, 'cuda']}, got {platform!r}")
+    token = _lowering_platform.set(name)
+    try:
+        yield
+    finally:
+        _lowering_platform.reset(token)
+
+
+def native_lowering(platform: str | None = None) -> Lowering | None:
+    """The lowering Pallas compiles through on `platform` (default `kernel_platform()`): Triton on
+    a GPU, Mosaic on a TPU; None elsewhere (there Pallas only interprets)."""
+    return NATIVE_LOWERING.get(platform or kernel_platform())
 
 
 def on_gpu() -> bool:
-    """True when JAX's default backend is a GPU (where Pallas lowers through Triton)."""
-    return jax.default_backend() == "gpu"
+    """True when kernels are built for a GPU (`kernel_platform()`)."""
+    return kernel_platform() == "gpu"
+
+
+def _check_interpret(interpret: Interpret) -> None:
+    if interpret is not None and not isinstance(interpret, (bool, pltpu.InterpretParams)):
+        raise ValueError(
+            "interpret must be None, a bool or a jax.experimental.pallas.tpu.InterpretParams, "
+            f"got {interpret!r}"
+        )
+
+
+@contextlib.contextmanager
+def interpreting(interpret: bool | pltpu.InterpretParams = True) -> Iterator[None]:
+    """Pallas interpretation for every op called inside the block without its own `interpret=`
+    (the one way model-level code, e.g. a rollout with implementation "pallas", asks for it):
+    True runs the Triton kernels in Pallas' generic interpreter, `pltpu.InterpretParams(...)` the
+    Mosaic kernels in the TPU interpreter, False compiles natively. Read when an op is called:
+    a function jitted inside the block keeps the choice in its compiled form."""
+    _check_interpret(interpret)
+    token = _interpret.set(interpret)
+    try:
+        yield
+    finally:
+        _interpret.reset(token)
+
+
+class PallasUnavailableError(NotImplementedError):
+    """A Pallas kernel asked for on a platform where Pallas does not compile, without
+    interpretation (a NotImplementedError: an order ("pallas", "xla") moves on to XLA)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTarget:
+    """Which Pallas kernel of an op runs, and how.
+
+    Attributes:
+      lowering: TRITON (the op's `kernel.py`) or MOSAIC (its `mosaic.py`).
+      interpret: what that kernel's `interpret=` gets: for TRITON a bool (True: Pallas' generic
+        interpreter), for MOSAIC None (compiled for a TPU) or `pltpu.InterpretParams` (the TPU
+        interpreter on the CPU).
+    """
+
+    lowering: Lowering
+    interpret: bool | pltpu.InterpretParams | None
+
+    @property
+    def interpreted(self) -> bool:
+        return self.interpret is not None and self.interpret is not False
+
+
+def pallas_target(interpret: Interpret = None) -> PallasTarget:
+    """The Pallas kernel an op runs for its `interpret=` argument.
+
+    None: the `interpreting` context's choice if any, else native; False: native; True: the
+    Triton kernel in Pallas' generic interpreter (Triton semantics, any platform);
+    `pltpu.InterpretParams`: the Mosaic kernel in the TPU interpreter (Mosaic semantics on the
+    CPU). Native is the Triton kernel where kernels are built for a GPU and the Mosaic kernel for
+    a TPU; elsewhere it raises PallasUnavailableError naming the platform. Interpretation is
+    never implied by the platform.
+    """
+    _check_interpret(interpret)
+    if interpret is None:
+        interpret = _interpret.get()
+    if isinstance(interpret, pltpu.InterpretParams):
+        return PallasTarget(Lowering.MOSAIC, interpret)
+    if interpret:
+        return PallasTarget(Lowering.TRITON, True)
+    platform = kernel_platform()
+    lowering = native_lowering(platform)
+    if lowering is None:
+        raise PallasUnavailableError(
+            f"Pallas kernels compile on an NVIDIA GPU (Triton) or a TPU (Mosaic), not on platform "
+            f"{platform!r}; to interpret them here pass interpret=True (the Triton kernels, "
+            "generic interpreter) or interpret=jax.experimental.pallas.tpu.InterpretParams() (the "
+            "Mosaic kernels, TPU semantics), or call inside kernels_pallas.common.interpreting(...)"
+            "; to lower for another platform use kernels_pallas.common.lowering_for(...)"
+        )
+    return PallasTarget(lowering, False if lowering is Lowering.TRITON else None)
 
 
 def implementation_order(
     implementation: ImplementationLike,
     choices: type[enum.StrEnum] = Implementation,
-    gpu_order: tuple = GPU_ORDER,
+    native_order: tuple = NATIVE_ORDER,
 ) -> tuple:
     """The implementations an op tries, in order (members of `choices`).
 
-    None: `gpu_order` on a GPU, the XLA reference alone elsewhere, so the default runs everywhere
-    (off the GPU Pallas runs only in interpret mode, which is slow; callers ask for it by name).
+    None: `native_order` where Pallas compiles natively (`native_lowering`: Triton on a GPU,
+    Mosaic on a TPU), the XLA reference alone elsewhere, so the default runs everywhere
+    (interpretation is asked for by name: `pallas_target`).
     A name: that implementation alone; where it cannot run, its NotImplementedError propagates.
     A sequence: each in turn, the next one tried when one raises NotImplementedError.
     """
     if implementation is None:
-        return tuple(gpu_order) if on_gpu() else (choices("xla"),)
+        return tuple(native_order) if native_lowering() else (choices("xla"),)
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
     if not names:
         raise ValueError("implementation must not be an empty sequence")
@@ -71,12 +216,6 @@ def implementation_order(
                 f"implementation must be None, one of {valid} or a sequence of them; got {name!r}"
             )
     return tuple(choices(name) for name in names)
-
-
-def interpret_mode(interpret: bool | None) -> bool:
-    """Whether Pallas runs in interpret mode: as given, by default off the GPU (how CI tests the
-    kernels on the CPU)."""
-    return not on_gpu() if interpret is None else interpret
 
 
 def run_first[T](order: Sequence, runners: Mapping[Any, Callable[[], T]]) -> tuple[T, Any]:

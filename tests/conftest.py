@@ -21,15 +21,77 @@ os.environ.setdefault(
 
 
 @pytest.fixture
-def h200_triton_lowering(monkeypatch):
-    """Pallas' Triton lowering told it targets an H200, so kernels lower to Triton IR on a CPU
-    machine (`jit(f).trace(...).lower(lowering_platforms=("cuda",))`); PTX needs a real GPU.
-    Skips when the private hooks have moved."""
+def triton_lowering(monkeypatch):
+    """`target(version)`: Pallas' Triton lowering told it targets that GPU
+    (`jax.experimental.pallas.triton.GpuVersion`, e.g. H200 or B200), and kernels built for a GPU
+    (`kernels_pallas.common.lowering_for("gpu")`), so that kernels and their apis lower to Triton
+    IR on a CPU machine (`jit(f).trace(...).lower(lowering_platforms=("cuda",))`); PTX needs a
+    real GPU. `target.queried` lists the GPUs the lowering asked about. Skips when the private
+    hooks have moved."""
     try:
         from jax._src.pallas.triton import pallas_call_registration as registration
         from jax.experimental.pallas import triton as plgpu
 
-        h200 = plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H200)
-        monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+        registration.gpu_info_lib.get_gpu_info  # noqa: B018 (the hook the fixture replaces)
     except (ImportError, AttributeError) as e:
         pytest.skip(f"private Pallas Triton hooks moved: {e}")
+    from kernels_pallas import common
+
+    def target(version):
+        info = plgpu.get_gpu_info_from_version(version)
+
+        def get_gpu_info():
+            target.queried.append(info.gpu_version)
+            return info
+
+        monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", get_gpu_info)
+
+    target.queried = []
+    with common.lowering_for("gpu"):
+        yield target
+
+
+@pytest.fixture
+def h200_triton_lowering(triton_lowering):
+    """`triton_lowering` targeting an H200."""
+    from jax.experimental.pallas import triton as plgpu
+
+    triton_lowering(plgpu.GpuVersion.H200)
+
+
+@pytest.fixture
+def pallas_interpreted_on_cpu():
+    """Pallas kernels called without their own `interpret=` (the model's, a rollout's) run in
+    Pallas' generic interpreter (the Triton kernels) where Pallas does not compile natively, and
+    natively on a GPU or a TPU: `kernels_pallas.common.interpreting`, the one explicit way. Test
+    modules that run Pallas on the CPU use it (`pytest.mark.usefixtures`)."""
+    from kernels_pallas import common
+
+    with common.interpreting(common.native_lowering() is None):
+        yield
+
+
+# Every compiled XLA:CPU executable keeps ~10-100 memory mappings (its JIT-linked code and data)
+# for as long as a jit cache holds it, and a worker runs ~500 tests: past Linux's default
+# vm.max_map_count (65530) the next compile or cache load dies with SIGSEGV inside LLVM. So a
+# worker near the limit drops JAX's caches (later tests recompile what they need).
+_MAP_COUNT_LIMIT = 40_000
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    if _map_count() > _MAP_COUNT_LIMIT:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

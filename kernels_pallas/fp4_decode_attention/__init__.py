@@ -1,5 +1,6 @@
 """Flash-decoding attention over a packed FP4 KV cache (and its bf16 twin): reference, Pallas
-kernel, and the api that picks the implementation. `kernel.py` has the design and byte counts."""
+kernels (Triton `kernel.py`, with the design and byte counts; Mosaic `mosaic.py`, FP4 only), and
+the api that picks the implementation and lowering."""
 
 from kernels_pallas.fp4_decode_attention.api import (
     DEFAULT_BLOCK_S,

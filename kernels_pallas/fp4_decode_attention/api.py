@@ -2,11 +2,15 @@
 
 `fp4_decode_attention(q, k_cache, v_cache, lengths)` attends one new query token per sequence to
 the slots `< lengths[b]` of a `PackedTensorCache` pair; `bf16_decode_attention` is its twin over a
-bf16 cache. `implementation=` (`kernels_pallas.common`): "pallas" (the Triton kernel on a GPU,
-interpret mode elsewhere; NotImplementedError on a GPU where the shapes do not fit Triton), "xla"
-(the float32 reference), None (Pallas on a GPU where the shapes fit Triton, else the reference),
-or a sequence of them. `*_plan(...)` takes the same arguments and returns the `DecodePlan` the
-call runs: which implementation, the tiling, and why a preferred implementation was skipped.
+bf16 cache. `implementation=` (`kernels_pallas.common`): "pallas", "xla" (the float32 reference),
+None (Pallas where it compiles natively and takes the shapes, else the reference), or a sequence
+of them. The Pallas kernel (`common.pallas_target`): `kernel.py`'s through Triton (an NVIDIA GPU,
+or interpret=True; NotImplementedError natively where the shapes do not fit Triton), or, for the
+FP4 op, `mosaic.fp4_decode_attention_mosaic` through Mosaic (a TPU, or interpret=
+`pltpu.InterpretParams()`; it refuses shapes it cannot take with NotImplementedError when called,
+and the plan's `then` runs instead). The bf16 twin has no Mosaic kernel: on a TPU its XLA
+reference runs. `*_plan(...)` takes the same arguments and returns the `DecodePlan` the call
+runs: which implementation and lowering, the tiling, and why a preferred one was skipped.
 
 Axis legend: B batch, H query heads, Hkv kv heads, G = H // Hkv, S cache slots, Dh head dim.
 """
@@ -18,9 +22,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import common
-from kernels_pallas.common import Implementation, ImplementationLike
+from kernels_pallas.common import Implementation, ImplementationLike, Interpret, Lowering
 from kernels_pallas.fp4_decode_attention import kernel, reference
 from trace_jax.fp4 import PackedTensorCache
 
@@ -55,18 +60,26 @@ class DecodePlan:
 
     Attributes:
       implementation: Implementation.PALLAS or Implementation.XLA.
-      interpret: Pallas in interpret mode (off the GPU).
-      config: the kernel's tiling (also filled in for XLA, which ignores it).
+      interpret: what the kernel's `interpret=` gets (`common.PallasTarget.interpret`: False
+        for native Triton, True for the generic interpreter, None for native Mosaic,
+        `pltpu.InterpretParams` for the TPU interpreter); None for XLA.
+      config: the kernel's tiling (also filled in for XLA, which ignores it; the Mosaic kernel
+        reads its block_s, by default `mosaic.DEFAULT_BLOCK_S`).
       k_splits: number of splits of the S slots (grid axis 2).
-      fallback: why an earlier implementation of the order was skipped (Pallas on a GPU for
-        shapes Triton cannot take), else None.
+      fallback: why an earlier implementation of the order was skipped (Pallas where it does
+        not compile, Triton for shapes it cannot take, no Mosaic kernel), else None.
+      lowering: Lowering.TRITON or Lowering.MOSAIC for PALLAS; None for XLA.
+      then: the implementations tried after this one if its kernel refuses the shapes when
+        called (the Mosaic kernel checks its own).
     """
 
     implementation: Implementation
-    interpret: bool
+    interpret: bool | pltpu.InterpretParams | None
     config: kernel.BlockConfig
     k_splits: int
     fallback: str | None = None
+    lowering: Lowering | None = None
+    then: tuple[Implementation, ...] = ()
 
 
 def default_k_splits(
@@ -122,20 +135,37 @@ def _plan(
     default_num_stages=None,
     default_pv_transposed=None,
     target_programs=TARGET_PROGRAMS,
+    has_mosaic=True,
 ) -> DecodePlan:
     order = common.implementation_order(implementation)
-    interpret = common.interpret_mode(interpret)
-    chosen, fallback = None, None
+    chosen, fallback, target, then = None, None, None, ()
     for i, impl in enumerate(order):
         reason = None
-        if impl is Implementation.PALLAS and not interpret:
-            reason = _triton_unsupported(q.shape[-1], block_size)
+        if impl is Implementation.PALLAS:
+            try:
+                target = common.pallas_target(interpret)
+            except common.PallasUnavailableError as e:
+                if i == len(order) - 1:
+                    raise
+                reason = str(e)
+        if reason is None and impl is Implementation.PALLAS:
+            if target.lowering is Lowering.MOSAIC and not has_mosaic:
+                reason = "the bf16 twin has no Mosaic kernel (its XLA reference runs on a TPU)"
+            elif target.lowering is Lowering.TRITON and not target.interpreted:
+                reason = _triton_unsupported(q.shape[-1], block_size)
         if reason is None:
-            chosen = impl
+            chosen, then = impl, order[i + 1 :]
             break
         if i == len(order) - 1:
             raise NotImplementedError(f"the Pallas decode-attention kernel: {reason}")
         fallback = reason
+    if chosen is Implementation.PALLAS and target.lowering is Lowering.MOSAIC:
+        # The Mosaic kernel's own defaults (`mosaic.py`): a TPU core walks its grid in sequence.
+        from kernels_pallas.fp4_decode_attention import mosaic
+
+        default_block_s = mosaic.DEFAULT_BLOCK_S
+        if k_splits is None:
+            k_splits = mosaic.default_k_splits(q.shape[0], kv_heads)
 
     if slots < 1:
         raise ValueError("the cache has no slots (S = 0)")
@@ -161,7 +191,16 @@ def _plan(
         **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if pv_transposed is None else {"pv_transposed": pv_transposed}),
     )
-    return DecodePlan(chosen, interpret, config, config.k_splits(slots), fallback)
+    pallas = chosen is Implementation.PALLAS
+    return DecodePlan(
+        implementation=chosen,
+        interpret=target.interpret if pallas else None,
+        config=config,
+        k_splits=config.k_splits(slots),
+        fallback=fallback,
+        lowering=target.lowering if pallas else None,
+        then=then,
+    )
 
 
 def fp4_decode_attention_plan(
@@ -173,7 +212,7 @@ def fp4_decode_attention_plan(
     implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
     decode: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -247,7 +286,7 @@ def fp4_decode_attention(
     implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
     decode: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -261,10 +300,14 @@ def fp4_decode_attention(
       lengths: int [B]; slots < lengths[b] are attended (at least 1; 0 gives NaN). Values above S
         count as S.
       implementation: None | "pallas" | "xla" or a sequence of them (see the module docstring).
-      k_splits: splits of the S slots (default: `default_k_splits`); the effective number is
+      k_splits: splits of the S slots (default: `default_k_splits`; Mosaic:
+        `mosaic.default_k_splits`); the effective number is
         `fp4_decode_attention_plan(...).k_splits` (no split is left empty).
-      block_s: slots per kernel step, a power of two >= 16 (default FP4_DEFAULT_BLOCK_S).
-      interpret: Pallas interpret mode (default: off the GPU).
+      block_s: slots per kernel step, a power of two >= 16 (default FP4_DEFAULT_BLOCK_S; Mosaic:
+        a power of two >= 128, default `mosaic.DEFAULT_BLOCK_S`).
+      interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
+        kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
+        `common.pallas_target`.
       decode: the kernel's FP4 decode, "f16" or "e4m3" (see `kernel.BlockConfig`; default
         `kernel.DEFAULT_DECODE`).
       num_warps, num_stages: Triton launch parameters (defaults `kernel.BlockConfig`'s).
@@ -291,9 +334,29 @@ def fp4_decode_attention(
     )
     if plan.implementation is Implementation.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)
-    return kernel.fp4_decode_attention_pallas(
-        q, k_cache, v_cache, lengths, config=plan.config, interpret=plan.interpret
-    )
+    if plan.lowering is Lowering.TRITON:
+        return kernel.fp4_decode_attention_pallas(
+            q, k_cache, v_cache, lengths, config=plan.config, interpret=plan.interpret
+        )
+
+    def run_mosaic():
+        from kernels_pallas.fp4_decode_attention.mosaic import fp4_decode_attention_mosaic
+
+        return fp4_decode_attention_mosaic(
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            block_s=plan.config.block_s,
+            k_splits=plan.k_splits,
+            interpret=plan.interpret,
+        )
+
+    runners = {
+        Implementation.PALLAS: run_mosaic,
+        Implementation.XLA: lambda: fp4_reference_jit(q, k_cache, v_cache, lengths),
+    }
+    return common.run_first((Implementation.PALLAS, *plan.then), runners)[0]
 
 
 def bf16_decode_attention_plan(
@@ -305,7 +368,7 @@ def bf16_decode_attention_plan(
     implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
 ) -> DecodePlan:
     """Checks the arguments of `bf16_decode_attention` and returns the plan it runs."""
     for name, a in (("k", k), ("v", v)):
@@ -324,6 +387,7 @@ def bf16_decode_attention_plan(
         k_splits=k_splits,
         block_s=block_s,
         interpret=interpret,
+        has_mosaic=False,
     )
 
 
@@ -336,7 +400,7 @@ def bf16_decode_attention(
     implementation: ImplementationLike = None,
     k_splits: int | None = None,
     block_s: int | None = None,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
 ) -> jax.Array:
     """`fp4_decode_attention`'s twin over a bf16 cache k, v [B, S, Hkv, Dh] (same arguments)."""
     lengths = jnp.asarray(lengths)

@@ -40,14 +40,11 @@ default from head_dim 128): as fast as the bf16 twin, 29% of the read bandwidth.
 stage-by-stage ablation the loads alone now run at 76% of the read bandwidth (0.40 ms) and decode,
 q . k and the online softmax add about 0.6 ms that the FP4 bytes are too few to hide.
 
-A TPU (Mosaic) lowering would need: block shapes whose last two dims are multiples of (8, 128)
-(Dh/2 = 64 code bytes and Dh/16 = 8 scale bytes are not lane-dense, so the head-major cache
-[B, Hkv, S, Dh/2] would be viewed with several slots folded into the 128 lanes, or
-the nibble split done on [block_s * Dh/2 / 128, 128] tiles); `lengths` as a scalar-prefetch
-argument (SMEM) instead of a 0-d block; BlockSpec-pipelined K/V blocks over an "arbitrary" grid
-axis in place of the in-kernel loop with masked loads (Mosaic has no masked `plgpu.load`), the tail
-handled by a padded S or by clamping the block index; the uint8 -> int32 unpack, shifts and the
-float32 bit-field decode are plain VPU ops; the query tile needs only 8 rows (sublanes), not 16.
+Hopper-specific: the "f16" decode's inline PTX (valid on any NVIDIA GPU, timed only on the
+H200), the "e4m3" decode's FP8 -> bf16 convert (sm_89 on), and the launch defaults in `api.py`
+(block_s, programs per SM for 132 SMs, load stages, pv_transposed) from H200 sweeps. A Blackwell
+run should check first the tests' tolerances on the device, then re-sweep block_s, k_splits (148
+SMs on a B200) and num_stages. The TPU lowering is `mosaic.py` (Mosaic), FP4 only.
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ weights stored `[G, N, K]` (contraction last, like the model's `[E, F, D]` exper
     y = fp4_moe_matmul(lhs, rhs, group_sizes)    # [M, N] bfloat16, float32 accumulation
 
 Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Pallas, Triton
-lowering; its docstring has the design, the numerics and what a TPU lowering would need), `api.py`
-(the op's interface: implementation choice with fallback).
+lowering; its docstring has the design and the numerics), `mosaic.py` (Pallas, Mosaic lowering for
+TPUs), `api.py` (the op's interface: implementation and lowering choice with fallback).
 
-Status: the Pallas kernel runs on the H200 (experiments/results/kernels_moe_matmul.md) and in
-interpret mode in CI. The "scaled_matmul" implementation (`scaled.py`: `jax.nn.scaled_matmul` over
-per-group row tiles, for native block-scaled FP4 on Blackwell) is tested on the CPU against the
-reference; it was never run on a Blackwell GPU (none available), so nothing about its speed is
-measured.
+Status: the Triton kernel runs on the H200 (experiments/results/kernels_moe_matmul.md); both
+kernels run interpreted in CI (the Mosaic one has not run on a TPU). The "scaled_matmul"
+implementation (`scaled.py`: `jax.nn.scaled_matmul` over per-group row tiles, for native
+block-scaled FP4 on Blackwell) is tested on the CPU against the reference; it was never run on a
+Blackwell GPU (none available), so nothing about its speed is measured.
 """
 
 from kernels_pallas.fp4_moe_matmul.api import (

@@ -5,10 +5,14 @@ Implementations, in the order the default (`implementation=None`) tries them on 
   * "scaled_matmul" (GPUs of compute capability >= 10, NVFP4 x NVFP4; and the CPU, where tests
     run it): `jax.nn.scaled_matmul` over per-group row tiles (`scaled.py`); NOT run on a
     Blackwell GPU here (none available), so its cuDNN lowering and speed are unverified.
-  * "pallas": `kernel.fp4_moe_matmul_pallas`, Triton on a GPU, interpret mode elsewhere.
+  * "pallas" (`kernels_pallas.common.pallas_target`): `kernel.fp4_moe_matmul_pallas` through
+    Triton (an NVIDIA GPU, or interpret=True), `mosaic.fp4_moe_matmul_mosaic` through Mosaic (a
+    TPU, or interpret=`pltpu.InterpretParams()`; block_m, block_n, block_k as given, the Triton
+    launch options num_warps, num_stages and grid ignored).
   * "xla": `reference.fp4_moe_matmul_reference`.
-The default off a GPU is the reference alone (`kernels_pallas.common.implementation_order`). A
-named implementation runs alone and its errors propagate; a sequence of names is tried in order.
+On a TPU the default is ("pallas", "xla"); where Pallas does not compile, the reference alone
+(`kernels_pallas.common.implementation_order`). A named implementation runs alone and its errors
+propagate; a sequence of names is tried in order.
 """
 
 from __future__ import annotations
@@ -131,9 +135,17 @@ def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
 
 
 def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
+    target = common.pallas_target(interpret)
+    if target.lowering is common.Lowering.MOSAIC:
+        from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
+
+        tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None}
+        return fp4_moe_matmul_mosaic(
+            lhs, rhs, group_sizes, **tiles, interpret=target.interpret, out_dtype=out_dtype
+        )
     config = block_config(lhs, rhs, **tiling)
     return fp4_moe_matmul_pallas(
-        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
+        lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype
     )
 
 
@@ -153,10 +165,10 @@ def implementation_order(
     implementation: common.ImplementationLike | MoEImplementation,
 ) -> tuple[MoEImplementation, ...]:
     """The implementations `fp4_moe_matmul` tries, in order (see the module docstring)."""
-    gpu_order = (MoEImplementation.PALLAS, MoEImplementation.XLA)
+    native_order = (MoEImplementation.PALLAS, MoEImplementation.XLA)
     if implementation is None and native_block_scaled():
-        gpu_order = (MoEImplementation.SCALED_MATMUL, *gpu_order)
-    return common.implementation_order(implementation, MoEImplementation, gpu_order)
+        native_order = (MoEImplementation.SCALED_MATMUL, *native_order)
+    return common.implementation_order(implementation, MoEImplementation, native_order)
 
 
 def fp4_moe_matmul_with_implementation(
@@ -171,13 +183,12 @@ def fp4_moe_matmul_with_implementation(
     num_warps: int | None = None,
     num_stages: int | None = None,
     grid: str | None = None,
-    interpret: bool | None = None,
+    interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> tuple[jax.Array, MoEImplementation]:
     """`fp4_moe_matmul` (same arguments) that also returns the implementation that ran."""
     check_operands(lhs, rhs, group_sizes)
     order = implementation_order(implementation)
-    interpret = common.interpret_mode(interpret)
     tiling = dict(
         block_m=block_m,
         block_n=block_n,
@@ -207,7 +218,7 @@ def fp4_moe_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     grid: str | None = None,
-    interpret: bool | None = None,
+    interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
     """Grouped matmul `lhs [M, K] x rhs [G, N, K] -> [M, N]`, the `jax.lax.ragged_dot` contract.
@@ -221,9 +232,12 @@ def fp4_moe_matmul(
         module docstring).
       block_m, block_n, block_k: Pallas tiles (powers of two, >= 16; block_k >= 32 and a
         multiple of the formats' block sizes); num_warps, num_stages: Triton launch parameters.
-        None: `kernel.default_block_config` for these shapes (`block_config`).
+        None: `kernel.default_block_config` for these shapes (`block_config`); the Mosaic
+        kernel's own defaults on a TPU.
       grid: Pallas program order, "row_tiles" or "groups" (default; see `kernel.GRID_ORDERS`).
-      interpret: Pallas interpret mode; None: on unless running on a GPU.
+      interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
+        kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
+        `common.pallas_target`.
       out_dtype: output dtype; every implementation accumulates in float32.
 
     Not differentiable (no custom_vjp): the rollout path only runs it forward.

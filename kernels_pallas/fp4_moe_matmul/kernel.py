@@ -42,13 +42,12 @@ bf16 `ragged_dot` but slower than the bf16 Pallas grouped matmul (0.115 ms); pre
 group-major one at M = 65536 and was 13x slower than `ragged_dot` at decode (history). JAX 0.11
 marks the Pallas Triton backend deprecated in favour of Mosaic GPU.
 
-A TPU (Mosaic) lowering would need: scalar prefetch (`PrefetchScalarGridSpec`) of a
-(row tile, group) visit list as in megablox's `gmm`, so index maps fetch only the visited expert's
-weight block instead of the `[G, block_n, K // 2]` panel used here; a sequential grid that revisits
-one output block per tile and accumulates in a VMEM scratch; `(8, 128)`-aligned blocks (block_n
-and block_k multiples of 128, uint8 tiles of `(32, 128)`); a weight layout whose nibbles need no
-lane interleave (e.g. low nibbles = first half of each K block, high = second half, chosen at pack
-time); and Mosaic equivalents for the masked loads/stores (row masks via `jnp.where`, a padded M).
+Hopper-specific: FP4 decoded to bf16 for bf16 tensor cores (Hopper has no FP4 ones) through the
+FP8 -> bf16 convert, and `default_block_config`'s tiles from the H200 sweep. On Blackwell the
+default order first tries "scaled_matmul" (cuDNN's native block-scaled FP4, `api.py`): a first
+Blackwell run should check that it lowers and matches the reference, then this kernel's
+tolerances, then re-sweep the tiles (148 SMs on a B200). The TPU lowering (megablox's
+visit list, VMEM accumulation) is `mosaic.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fused FP4 quantize + compact-guidance capture (reference, Pallas kernel, dispatching API)."""
+"""Fused FP4 quantize + compact-guidance capture (reference, Pallas kernels: Triton `kernel.py`,
+Mosaic `mosaic.py`; the dispatching API)."""
 
 from kernels_pallas.fp4_quantize.api import (
     QuantizedCapture,

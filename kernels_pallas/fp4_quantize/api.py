@@ -2,7 +2,10 @@
 
 Implementations (`implementation=`, see `kernels_pallas.common`): "pallas" (the fused kernel; rows
 of a power-of-two width only) and "xla" (`quantize_capture_reference`, any width). Both give the
-same codes, scales and bits.
+same codes, scales and bits. The Pallas kernel is `kernel.quantize_capture_pallas` (Triton: an
+NVIDIA GPU, or interpret=True) or `mosaic.quantize_capture_mosaic` (Mosaic: a TPU, or
+interpret=`pltpu.InterpretParams()`; whole rows only, so the Triton launch options block_n and
+loop_n are refused, num_warps and pack ignored).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.common import Implementation, ImplementationLike
+from kernels_pallas.common import Implementation, ImplementationLike, Interpret, Lowering
 from kernels_pallas.fp4_quantize.kernel import DEFAULT_PACK, quantize_capture_pallas
 from kernels_pallas.fp4_quantize.reference import QuantizedCapture, quantize_capture_reference
 from trace_jax import fp4
@@ -48,6 +51,10 @@ COLUMN_TILE_ROWS = 4
 # one read of the rows fewer.
 ROW_LOOP_CHUNK = 2048
 ROW_LOOP_ROWS = 2
+# Rows per program of the Mosaic kernel by default (fewer rows are one program of all of them): a
+# multiple of the 8-bit sublane tile (32), so the packed uint8 outputs tile without padding. Not
+# tuned on a TPU.
+MOSAIC_BLOCK_R = 32
 
 
 def default_launch(fmt: BlockFormat, n: int) -> tuple[int | None, int | None, int | None]:
@@ -71,7 +78,7 @@ def fp4_quantize(
     num_warps: int = 4,
     loop_n: int | None = None,
     pack: str = DEFAULT_PACK,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
 ) -> QuantizedCapture:
     """Quantizes `x [..., N]` (RTN, or guided by `guidance`) and captures compact guidance.
 
@@ -88,8 +95,9 @@ def fp4_quantize(
     only): each program walks its rows in column chunks of this width, the NVFP4 global scale
     from a first pass over them (no separate XLA read of the rows). `num_warps` per program on
     the GPU. `pack`: how the kernel packs codes and compact bits into bytes ("split" or "sum",
-    the same bytes; `quantize_capture_pallas`). `interpret`: Pallas interpret mode (default: off
-    the GPU).
+    the same bytes; `quantize_capture_pallas`). `interpret`: None (native, or the
+    `common.interpreting` context's choice), True (the Triton kernel interpreted) or
+    `pltpu.InterpretParams` (the Mosaic kernel interpreted); see `common.pallas_target`.
     """
     out, _ = fp4_quantize_with_implementation(
         x,
@@ -117,7 +125,7 @@ def fp4_quantize_with_implementation(
     num_warps: int = 4,
     loop_n: int | None = None,
     pack: str = DEFAULT_PACK,
-    interpret: bool | None = None,
+    interpret: Interpret = None,
 ) -> tuple[QuantizedCapture, Implementation]:
     """`fp4_quantize` (same arguments) that also returns the implementation that ran."""
     fmt = fp4.get_format(fmt)
@@ -130,7 +138,7 @@ def fp4_quantize_with_implementation(
         num_warps=num_warps,
         loop_n=loop_n,
         pack=pack,
-        interpret=common.interpret_mode(interpret),
+        interpret=interpret,
     )
     runners = {
         Implementation.PALLAS: lambda: _quantize_pallas(x, fmt, guidance, **launch),
@@ -149,15 +157,23 @@ def _quantize_pallas(
     num_warps: int,
     loop_n: int | None,
     pack: str,
-    interpret: bool,
+    interpret: Interpret,
 ) -> QuantizedCapture:
     """The Pallas implementation of `fp4_quantize` (launch arguments as there)."""
+    target = common.pallas_target(interpret)
     n = x.shape[-1]
     if not _is_pow2(n):
         raise NotImplementedError(
             f"the Pallas quantize kernel tiles rows of a power-of-two width; got N={n}"
         )
-    if loop_n is not None:
+    mosaic = target.lowering is Lowering.MOSAIC
+    if mosaic:
+        if block_n is not None or loop_n is not None:
+            raise ValueError(
+                f"the Mosaic quantize kernel takes whole rows; got block_n={block_n}, "
+                f"loop_n={loop_n} (Triton launch options)"
+            )
+    elif loop_n is not None:
         if block_n is not None and block_n < n:
             raise ValueError("loop_n walks whole rows: give it without block_n")
         if not (_is_pow2(loop_n) and n % loop_n == 0 and loop_n % max(fmt.block_size, 8) == 0):
@@ -175,14 +191,16 @@ def _quantize_pallas(
             )
     else:
         block_n = None
-    if block_r is None:
-        # A program holds its whole tile in registers; 65536-element tiles (16 rows of 4096) took
-        # minutes to compile on the H200 and never finished a run, so tiles stay small.
-        block_r = max(1, min(16, TILE_ELEMENTS // n))
     lead = x.shape[:-1]
     rows = 1
     for d in lead:
         rows *= d
+    if mosaic and block_r is None:
+        block_r = min(MOSAIC_BLOCK_R, max(8, -(-rows // 8) * 8))
+    elif block_r is None:
+        # A program holds its whole tile in registers; 65536-element tiles (16 rows of 4096) took
+        # minutes to compile on the H200 and never finished a run, so tiles stay small.
+        block_r = max(1, min(16, TILE_ELEMENTS // n))
     padded = -(-rows // block_r) * block_r
 
     def flat(a, width):
@@ -204,19 +222,31 @@ def _quantize_pallas(
     s_g = None
     if block_n is not None and fmt.has_global_scale:  # the kernel sees only part of a row
         s_g = global_scale(flat(x, n).astype(jnp.float32), fmt, (1,))
-    packed, bits, cbits, *gsc = quantize_capture_pallas(
-        flat(x, n),
-        fmt,
-        guide=guide,
-        guide_mode=mode,
-        block_r=block_r,
-        interpret=interpret,
-        num_warps=num_warps,
-        block_n=block_n,
-        s_g=s_g,
-        loop_n=loop_n,
-        pack=pack,
-    )
+    if mosaic:
+        from kernels_pallas.fp4_quantize.mosaic import quantize_capture_mosaic
+
+        packed, bits, cbits, *gsc = quantize_capture_mosaic(
+            flat(x, n),
+            fmt,
+            guide=guide,
+            guide_mode=mode,
+            block_r=block_r,
+            interpret=target.interpret,
+        )
+    else:
+        packed, bits, cbits, *gsc = quantize_capture_pallas(
+            flat(x, n),
+            fmt,
+            guide=guide,
+            guide_mode=mode,
+            block_r=block_r,
+            interpret=target.interpret,
+            num_warps=num_warps,
+            block_n=block_n,
+            s_g=s_g,
+            loop_n=loop_n,
+            pack=pack,
+        )
     # With column tiles the global scale is the one the kernel was given (guided: the rollout's,
     # except on rows whose own is NaN, as in `quantize_core`).
     if gsc:

@@ -14,10 +14,11 @@ second read of a row band of a few KB hits L2): the column tiles' small working 
 separate XLA pass.
 
 Triton lowering needs power-of-two tile shapes, so N must be a power of two (the API falls back to
-the XLA reference otherwise). A TPU (Mosaic) lowering would additionally need the row tile to be a
-multiple of 8 and N a multiple of 128 lanes, and the nibble/bit packing expressed as lane shifts
-(the reshape-and-reduce packing used here is the simplest form that all three lowerings accept in
-principle; it has only been run in interpret mode so far).
+the XLA reference otherwise). Hopper-specific: the reciprocal estimate `common.rcp_approx` (inline
+PTX, valid on any NVIDIA GPU; corrected to the IEEE reciprocal, so codes do not depend on it) and
+the launch defaults in `api.py` (column tiles, row loop, warps) from the H200. A Blackwell run
+should check first that codes, scales and bits equal the CPU's bit for bit, then re-time the
+launches. The TPU lowering (whole rows) is `mosaic.py`.
 """
 
 from __future__ import annotations

@@ -7,14 +7,17 @@ weights stored `[G, N, K]` (contraction last, like the model's `[E, F, D]` exper
 
 Files: `reference.py` (checks, the `ragged_dot` reference), `kernel.py` (Pallas, Triton lowering,
 on a group-major grid that the FP4 MoE kernel shares; its docstring has the design), `api.py` (the
-op's interface: implementation choice with fallback). Gradients: `trace_jax.models.grouped_matmul`
+op's interface: implementation choice with fallback; on a TPU the Pallas kernel is jax's megablox
+`gmm`, `grouped_matmul_megablox`). Gradients: `trace_jax.models.grouped_matmul`
 pairs the kernel's forward with the tiled XLA form's VJP.
 """
 
 from kernels_pallas.grouped_matmul.api import (
     block_config,
     grouped_matmul,
+    grouped_matmul_megablox,
     grouped_matmul_with_implementation,
+    megablox_tiling,
 )
 from kernels_pallas.grouped_matmul.kernel import (
     BlockConfig,
@@ -31,7 +34,9 @@ __all__ = [
     "default_block_config",
     "group_row_bounds",
     "grouped_matmul",
+    "grouped_matmul_megablox",
     "grouped_matmul_pallas",
     "grouped_matmul_reference",
     "grouped_matmul_with_implementation",
+    "megablox_tiling",
 ]

@@ -26,6 +26,10 @@ whole windows without masks (rows of other groups give products nobody stores).
 Numerics: bf16 (or float16) products are exact in float32 and accumulate in float32, in K order
 per `block_k` chunk; float32 operands take IEEE float32 dots (`Precision.HIGHEST`; Triton's TF32
 otherwise). So kernel and `ragged_dot` at HIGHEST precision differ by float32 summation order only.
+
+Hopper-specific: `default_block_config`'s tiles and stages (H200 sweep; 16-deep K steps). A
+Blackwell run should check first the tests' tolerances on the device, then re-sweep the tiles (148
+SMs on a B200). On a TPU the api runs jax's megablox `gmm` instead (Mosaic).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import pytest
 from configs import bench_decode_attention as config_module
 from experiments import bench_decode_attention as bench
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_smoke_run_reports_the_fastest_fp4_and_bf16_variants(tmp_path):
     config = config_module.get_config("smoke")

@@ -11,6 +11,8 @@ import pytest
 from configs import bench_decode_step as config_module
 from experiments import bench_decode_step as bench
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_smoke_run_writes_one_row_per_context(tmp_path):
     config = config_module.get_config("smoke")

@@ -12,6 +12,8 @@ import pytest
 from configs import bench_moe_matmul as config_module
 from experiments import bench_moe_matmul as bench
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
     config = config_module.get_config("smoke")

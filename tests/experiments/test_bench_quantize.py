@@ -10,6 +10,8 @@ import pytest
 from configs import bench_quantize as config_module
 from experiments import bench_quantize as bench
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_smoke_run_times_every_launch_and_reports_the_fastest(tmp_path):
     config = config_module.get_config("smoke")

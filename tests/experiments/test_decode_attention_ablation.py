@@ -19,6 +19,8 @@ from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_every_stage_runs_and_a_failing_stage_is_recorded(monkeypatch):
     """A body that cannot lower, or a full variant computing other attention than the api

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from configs import profile_kernels as config_module
 from experiments import profile_kernels
+
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
 
 def test_every_kernel_launches_and_matches_its_reference():

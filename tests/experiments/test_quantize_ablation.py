@@ -18,6 +18,8 @@ from kernels_pallas.fp4_quantize import api
 from trace_jax import fp4
 from trace_jax.fp4 import scales
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 FORMATS = [fp4.MXFP4, fp4.NVFP4]
 
 

@@ -20,6 +20,8 @@ from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, abstract_model, init_model
 from trace_jax.quant import SiteMode
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 192.02GiB."
 
 

@@ -1,10 +1,13 @@
-"""The kernels' FP8-aligned FP4 decode equals the quantizer's decode times 2**-6, every byte."""
+"""The kernels' shared pieces: the FP8- and float16-aligned FP4 decodes equal the quantizer's
+for every byte, split block scales multiply back, and the choice of where and how a kernel runs
+(`implementation_order`, `pallas_target`, `lowering_for`, `interpreting`)."""
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import common
 from trace_jax.fp4 import ElementType, numerics
@@ -78,21 +81,67 @@ def test_split_block_scales_multiply_back_to_the_block_scale(fmt_name):
     np.testing.assert_array_equal(got, want)
 
 
-def test_implementation_order(monkeypatch):
-    """None: Pallas then XLA on a GPU, XLA alone elsewhere; a name alone; a sequence in order."""
+def test_implementation_order():
+    """None: Pallas then XLA where Pallas compiles (a GPU, a TPU), XLA alone elsewhere; a name
+    alone; a sequence in order."""
     impl = common.Implementation
-    monkeypatch.setattr(common, "on_gpu", lambda: False)
-    assert common.implementation_order(None) == (impl.XLA,)
-    assert common.interpret_mode(None) and not common.interpret_mode(False)
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
-    assert common.implementation_order(None) == (impl.PALLAS, impl.XLA)
-    assert not common.interpret_mode(None)
+    with common.lowering_for("cpu"):
+        assert common.implementation_order(None) == (impl.XLA,)
+        with common.interpreting(True):  # interpretation is asked for by name, never by default
+            assert common.implementation_order(None) == (impl.XLA,)
+    for platform in ("gpu", "cuda", "tpu"):
+        with common.lowering_for(platform):
+            assert common.implementation_order(None) == (impl.PALLAS, impl.XLA)
     assert common.implementation_order("pallas") == (impl.PALLAS,)
     assert common.implementation_order(["xla", impl.PALLAS]) == (impl.XLA, impl.PALLAS)
     with pytest.raises(ValueError, match="got 'auto'"):
         common.implementation_order("auto")
     with pytest.raises(ValueError, match="empty"):
         common.implementation_order([])
+
+
+def test_pallas_target_is_native_or_explicitly_interpreted():
+    """Native: Triton on a GPU, Mosaic on a TPU, an error naming the platform and the ways to
+    interpret elsewhere; True: Triton interpreted; InterpretParams: Mosaic interpreted; the
+    `interpreting` context stands in for a call's None, never for its explicit value."""
+    triton, mosaic = common.Lowering.TRITON, common.Lowering.MOSAIC
+    params = pltpu.InterpretParams(uninitialized_memory="zero")
+    target = common.pallas_target
+    with common.lowering_for("cpu"):
+        assert common.kernel_platform() == "cpu" and common.native_lowering() is None
+        for interpret in (None, False):
+            with pytest.raises(common.PallasUnavailableError) as e:
+                target(interpret)
+            assert isinstance(e.value, NotImplementedError)  # orders fall through it
+            for words in ("platform 'cpu'", "interpret=True", "InterpretParams", "interpreting"):
+                assert words in str(e.value)
+        assert target(True) == common.PallasTarget(triton, True) and target(True).interpreted
+        assert target(params) == common.PallasTarget(mosaic, params) and target(params).interpreted
+        with common.interpreting(True):
+            assert target(None) == common.PallasTarget(triton, True)
+            assert target(params).lowering is mosaic  # the call's own value wins
+            with pytest.raises(common.PallasUnavailableError):
+                target(False)
+            with common.interpreting(params):
+                assert target(None) == common.PallasTarget(mosaic, params)
+            assert target(None).lowering is triton  # the inner context is undone
+        with pytest.raises(common.PallasUnavailableError):
+            target(None)
+        with common.lowering_for("gpu"):
+            assert common.on_gpu() and target(None) == common.PallasTarget(triton, False)
+            assert not target(None).interpreted
+        with common.lowering_for("tpu"):
+            assert target(None) == common.PallasTarget(mosaic, None)
+            assert target(True) == common.PallasTarget(triton, True)
+        assert common.kernel_platform() == "cpu"
+    with pytest.raises(ValueError, match="got 'rocm'"):
+        with common.lowering_for("rocm"):
+            pass
+    with pytest.raises(ValueError, match="interpret must be None, a bool or"):
+        target("yes")
+    with pytest.raises(ValueError, match="got 1"):
+        with common.interpreting(1):
+            pass
 
 
 def test_run_first_falls_back_on_not_implemented_only():

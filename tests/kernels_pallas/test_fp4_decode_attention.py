@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import common
 from kernels_pallas.common import Implementation
@@ -43,6 +44,8 @@ from kernels_pallas.fp4_decode_attention.kernel import decode_fp4_planes, decode
 from tests.kernels_pallas import rounding
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
+
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
 FORMATS = [fp4.NVFP4, fp4.MXFP4]
 # The references, jitted as the api's "xla" implementation runs them (one compile per shape).
@@ -380,7 +383,7 @@ def test_plan_defaults_and_implementation_choice(monkeypatch):
     q, k, v, lengths = _inputs(case, jnp.bfloat16)
     kc, vc = _packed(k, fp4.NVFP4), _packed(v, fp4.NVFP4)
 
-    monkeypatch.setattr(common, "on_gpu", lambda: False)  # as on the CPU, also when run on a GPU
+    monkeypatch.setattr(common, "kernel_platform", lambda: "cpu")  # as on the CPU, also on a GPU
     plan = fp4_decode_attention_plan(q, kc, vc, lengths)  # CPU: the default is the reference
     assert plan.implementation is Implementation.XLA and plan.fallback is None
     assert plan.config.block_s == FP4_DEFAULT_BLOCK_S and plan.config.block_g == 16
@@ -416,18 +419,22 @@ def test_plan_defaults_and_implementation_choice(monkeypatch):
     )
     assert (plan.config.chunk, plan.k_splits) == (64, 3)
 
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
-    plan = fp4_decode_attention_plan(q, kc, vc, lengths)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "gpu")
+    plan = fp4_decode_attention_plan(q, kc, vc, lengths, interpret=False)  # native
     assert (plan.implementation, plan.interpret) == (Implementation.PALLAS, False)
     # Dh = 48 is not a power of two: no Triton kernel; the default and ("pallas", "xla") fall
     # back, "pallas" alone refuses.
     q48, k48 = q[..., :48], k[..., :48]
     kc48 = _packed(k48, fp4.NVFP4)
     for implementation in (None, ("pallas", "xla")):
-        plan = fp4_decode_attention_plan(q48, kc48, kc48, lengths, implementation=implementation)
+        plan = fp4_decode_attention_plan(
+            q48, kc48, kc48, lengths, implementation=implementation, interpret=False
+        )
         assert plan.implementation is Implementation.XLA and "head_dim 48" in plan.fallback
     with pytest.raises(NotImplementedError, match="head_dim 48"):
-        fp4_decode_attention_plan(q48, kc48, kc48, lengths, implementation="pallas")
+        fp4_decode_attention_plan(
+            q48, kc48, kc48, lengths, implementation="pallas", interpret=False
+        )
     plan = bf16_decode_attention_plan(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)
     assert plan.implementation is Implementation.PALLAS
     plan = fp4_decode_attention_plan(q, kc, vc, lengths, implementation="xla")
@@ -501,9 +508,12 @@ def test_bad_options_and_bf16_inputs_raise():
         "bf16_pv_transposed",
     ],
 )
-def test_lowers_through_triton_without_a_gpu(h200_triton_lowering, fmt, decode):
+@pytest.mark.parametrize("gpu", ["H200", "B200"])
+def test_lowers_through_triton_without_a_gpu(triton_lowering, gpu, fmt, decode):
     """The kernel body lowers to Triton IR (power-of-two tensors, supported primitives) for an
-    H200 with a serving shape (S not a multiple of the chunk); PTX compilation needs a GPU."""
+    H200 and a B200 with a serving shape (S not a multiple of the chunk); PTX compilation needs a
+    GPU."""
+    triton_lowering(plgpu.GpuVersion[gpu])
     b, s, hkv, g, dh = 2, 1000, 8, 4, 128
     q = jax.ShapeDtypeStruct((b, hkv * g, dh), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
@@ -527,3 +537,4 @@ def test_lowers_through_triton_without_a_gpu(h200_triton_lowering, fmt, decode):
         lowered = jax.jit(op).trace(q, cache, cache, lengths).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
+    assert triton_lowering.queried == [plgpu.GpuVersion[gpu]]  # lowered for that GPU

@@ -15,6 +15,8 @@ from kernels_pallas.fp4_quantize import (
 )
 from trace_jax import fp4
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def _assert_same(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
@@ -97,9 +99,9 @@ def test_default_is_the_reference_off_gpu(monkeypatch):
     from kernels_pallas import common
 
     x = _x((4, 64), seed=2)
-    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "cpu")
     assert fp4_quantize_with_implementation(x, fp4.MXFP4)[1] is Implementation.XLA
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "gpu")
     out, ran = fp4_quantize_with_implementation(x, fp4.MXFP4, interpret=True)
     assert ran is Implementation.PALLAS
     _assert_same(out, quantize_capture_reference(x, fp4.MXFP4))

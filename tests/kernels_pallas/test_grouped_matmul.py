@@ -35,6 +35,8 @@ from kernels_pallas.grouped_matmul import (
 )
 from tests.kernels_pallas.rounding import U32, U_BF16
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 M, K, N, G = 40, 64, 32, 4
 GROUP_SIZES = {
     "empty_one_ragged": (0, 1, 25, 9),  # sum 35 < M; tiles straddle groups
@@ -172,7 +174,7 @@ def test_group_row_bounds_include_the_tail():
 
 
 def test_default_is_the_reference_off_gpu(monkeypatch):
-    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "cpu")
     lhs, rhs = operands()
     gs = jnp.asarray(GROUP_SIZES["middle_empty"], jnp.int32)
     _, ran = grouped_matmul_with_implementation(lhs, rhs, gs)

@@ -23,6 +23,8 @@ from trace_jax.models import (
 )
 from trace_jax.models.attention import attend, cache_mask
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.1)
 LENGTHS = np.array([7, 3, 5])  # prompt lengths, right-padded to 7
 N_DECODE = 4

@@ -145,15 +145,32 @@ def test_from_hf_config_errors():
         ModelConfig.from_hf_config(hf)
 
 
-@pytest.mark.parametrize(("gpu", "want"), [(False, "xla"), (True, "pallas")])
-def test_auto_implementation_is_pallas_on_a_gpu_only(monkeypatch, gpu, want):
-    monkeypatch.setattr(common, "on_gpu", lambda: gpu)
-    assert resolve_implementation("auto") == want
+@pytest.mark.parametrize(
+    ("platform", "want"), [("cpu", "xla"), ("gpu", "pallas"), ("tpu", "pallas")]
+)
+def test_auto_implementation_is_pallas_where_it_compiles(platform, want):
+    with common.lowering_for(platform):
+        assert resolve_implementation("auto") == want
     assert resolve_implementation("xla") == "xla" and resolve_implementation("pallas") == "pallas"
     with pytest.raises(ValueError, match=r"one of \['auto', 'pallas', 'xla'\], got 'cuda'"):
         resolve_implementation("cuda")
 
 
+def test_pallas_kernel_order_needs_native_pallas_or_interpretation():
+    """The model's "pallas" on the CPU raises (naming the platform and how to interpret) rather
+    than run every op's XLA fallback unseen; interpreted, or built for a TPU, it runs."""
+    with pytest.raises(common.PallasUnavailableError, match=r"platform 'cpu'.*interpret"):
+        kernel_order("pallas")
+    with pytest.raises(NotImplementedError):
+        expert_kernel_order("pallas")
+    with common.interpreting(True):
+        assert kernel_order("pallas") == ("pallas", "xla")
+    with common.lowering_for("tpu"):
+        assert kernel_order("pallas") == ("pallas", "xla")
+    assert kernel_order("xla") == ("xla",)
+
+
+@pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 @pytest.mark.parametrize(
     ("capability", "pallas_order"),
     [

@@ -21,6 +21,8 @@ from trace_jax.models import grouped_matmul as gm
 from trace_jax.models.grouped_matmul import default_tile, grouped_dot, tiled_ragged_dot
 from trace_jax.models.moe import experts_grouped
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def _numpy_ragged(lhs, rhs, sizes):
     """ragged_dot in float64: lhs [M, K], rhs [E, K, N] -> [M, N]."""
@@ -100,7 +102,7 @@ def test_bad_shapes_and_default_tile():
 
 
 def test_auto_tiles_only_many_rows_per_group_off_gpu(monkeypatch):
-    monkeypatch.setattr(common, "on_gpu", lambda: False)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "cpu")
     assert gm.resolve("auto", 128 * 32, 32) is gm.GroupedMatmul.TILED  # training / prefill
     assert gm.resolve("auto", 128 * 32 - 1, 32) is gm.GroupedMatmul.RAGGED_DOT  # decode
     assert gm.resolve("tiled", 4, 32) is gm.GroupedMatmul.TILED  # explicit choices stand
@@ -117,11 +119,22 @@ def test_auto_tiles_only_many_rows_per_group_off_gpu(monkeypatch):
 
 
 def test_auto_is_pallas_on_a_gpu(monkeypatch):
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "gpu")
     for m in (8, 128 * 32, 10**6):  # decode, prefill and training shapes alike
         assert gm.resolve("auto", m, 32) is gm.GroupedMatmul.PALLAS
     assert gm.resolve("tiled", 10**6, 32) is gm.GroupedMatmul.TILED  # explicit choices stand
     assert gm.resolve("ragged_dot", 8, 32) is gm.GroupedMatmul.RAGGED_DOT
+
+
+def test_pallas_needs_native_pallas_or_interpretation():
+    """`pallas` where Pallas does not compile and nothing asked for interpretation raises rather
+    than fall back to `ragged_dot` unseen; on a TPU `auto` is `pallas` (megablox)."""
+    args = jnp.ones((4, 8)), jnp.ones((2, 8, 16)), jnp.array([2, 2], jnp.int32)
+    with common.lowering_for("cpu"), common.interpreting(False):
+        with pytest.raises(common.PallasUnavailableError, match="platform 'cpu'"):
+            grouped_dot(*args, "pallas")
+    with common.lowering_for("tpu"):
+        assert gm.resolve("auto", 8, 32) is gm.GroupedMatmul.PALLAS
 
 
 def test_experts_with_pallas_match_ragged_dot(monkeypatch):

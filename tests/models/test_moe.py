@@ -153,6 +153,7 @@ def test_switch_aux_loss():
     np.testing.assert_allclose(switch_aux_loss(r, valid), n_experts * (0.6 + 0.3), rtol=1e-6)
 
 
+@pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 @pytest.mark.parametrize(
     ("capability", "ran"),
     [

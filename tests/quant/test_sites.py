@@ -12,6 +12,8 @@ from trace_jax import fp4
 from trace_jax.models import identity_site, site_implementation
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode, align_expert_guidance
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def test_align_expert_guidance_permutes_slots_and_masks_missing_experts():
     x = jax.random.normal(jax.random.key(0), (2, 3, 4, 32))  # [B, T, K, F]

@@ -18,6 +18,8 @@ from trace_jax.rl import workers
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.workers import RolloutWorker, Trainer, check_same_guidance, init_policy
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 
 def _store_entry(worker: RolloutWorker, batch) -> dict[str, fp4.Guidance]:
     """The batch's guidance as its worker writes it to a store, read back (host arrays)."""

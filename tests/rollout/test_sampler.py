@@ -19,6 +19,8 @@ from trace_jax.rollout.sampler import pack_rows, unpack_rows
 from trace_jax.rollout.sampling import filter_logits
 from trace_jax.train import train_forward
 
+pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+
 CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.08)
 QCFG = QuantConfig.nvfp4()
 

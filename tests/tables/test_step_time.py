@@ -47,7 +47,7 @@ def test_peak_memory_and_kernels_recorded_per_method_process(tmp_path, monkeypat
     as it resolves "auto" there (the Pallas kernels on a GPU)."""
     times = {m: [(1.0, 0.0, 1.0)] * 4 for m in ("bf16", "trace")}
     monkeypatch.setattr(step_time, "RLLoop", fake_loop(times))
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    monkeypatch.setattr(common, "kernel_platform", lambda: "gpu")
     peaks = {"bf16": 3 * 2**30, "trace": 5 * 2**29}
 
     class Device:

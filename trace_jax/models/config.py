@@ -26,7 +26,9 @@ or "pallas", `site_implementation`; `trace_jax.quant.QuantSites` sets it, the ro
 the trainer keeps "xla", which is differentiable). With "pallas" the model runs the kernel ops
 (`kernels_pallas`) with `kernel_order` (the routed experts' FP4 matmul with `expert_kernel_order`);
 with "xla" it runs plain XLA. A rollout's setting "auto" becomes one of the two here
-(`resolve_implementation`): the Pallas kernels on a GPU, XLA elsewhere.
+(`resolve_implementation`): the Pallas kernels where they compile natively (Triton on an NVIDIA
+GPU, Mosaic on a TPU), XLA elsewhere. "pallas" elsewhere needs interpretation asked for
+explicitly (`kernels_pallas.common.interpreting`), as tests on the CPU do.
 
 Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
 """
@@ -84,11 +86,15 @@ def site_implementation(site: QuantSite) -> Implementation:
 
 
 def kernel_order(implementation: Implementation) -> tuple[Implementation, ...]:
-    """The `implementation=` the model passes to every kernel op: for PALLAS the Pallas kernel where
-    it runs (interpret mode off the GPU) and the op's XLA reference where the kernel cannot take
-    the shapes (the fused quantize tiles power-of-two rows only; its reference gives the same
-    codes); for XLA the reference."""
+    """The `implementation=` the model passes to every kernel op: for PALLAS the Pallas kernel
+    (`kernels_pallas.common.pallas_target`: native, or as the `interpreting` context says) and the
+    op's XLA reference where the kernel cannot take the shapes (the fused quantize tiles
+    power-of-two rows only; its reference gives the same codes); for XLA the reference.
+
+    Raises `kernels_pallas.common.PallasUnavailableError` for PALLAS where Pallas does not compile
+    and no interpretation was asked for, rather than let every op fall back to XLA unseen."""
     if Implementation(implementation) is Implementation.PALLAS:
+        common.pallas_target()
         return (Implementation.PALLAS, Implementation.XLA)
     return (Implementation.XLA,)
 
@@ -112,14 +118,15 @@ IMPLEMENTATION_SETTINGS = ("auto", *(i.value for i in Implementation))
 
 def resolve_implementation(setting: str | Implementation) -> Implementation:
     """The kernels a rollout runs for its setting: "pallas" or "xla" as named, "auto" the Pallas
-    kernels on a GPU (Triton) and XLA elsewhere (off the GPU Pallas runs only in interpret mode:
-    the same codes, far slower). Raises ValueError for another setting."""
+    kernels where they compile natively (`kernels_pallas.common.native_lowering`: Triton on a GPU,
+    Mosaic on a TPU) and XLA elsewhere (there Pallas only interprets: the same codes, far
+    slower). Raises ValueError for another setting."""
     if setting not in IMPLEMENTATION_SETTINGS:
         raise ValueError(
             f"implementation must be one of {list(IMPLEMENTATION_SETTINGS)}, got {setting!r}"
         )
     if setting == "auto":
-        return Implementation.PALLAS if common.on_gpu() else Implementation.XLA
+        return Implementation.PALLAS if common.native_lowering() else Implementation.XLA
     return Implementation(setting)
 
 
@@ -196,8 +203,8 @@ class ModelConfig:
       grouped_matmul: the routed experts' grouped matmul, "ragged_dot" (`jax.lax.ragged_dot`),
         "tiled" (`grouped_matmul.tiled_ragged_dot`: no E-fold dense expansion where XLA has no
         grouped kernel), "pallas" (the Pallas grouped matmul forward, the tiled form's backward)
-        or "auto" (`grouped_matmul.resolve`: "pallas" on a GPU; elsewhere tiled for many rows per
-        expert, ragged_dot for few); the same products up to float32 summation order.
+        or "auto" (`grouped_matmul.resolve`: "pallas" on a GPU or a TPU; elsewhere tiled for many
+        rows per expert, ragged_dot for few); the same products up to float32 summation order.
     """
 
     vocab_size: int

@@ -21,9 +21,13 @@ projection.
 per (group, N tile) programs that read each active expert's weight tile once per row tile and
 never expand over experts; the XLA reference where the kernel cannot tile the shapes) and the
 backward through the tiled form's VJP (`jax.custom_vjp`), so training works: its gradients are
-exactly the tiled form's. Off a GPU the kernel runs in Pallas interpret mode (slow: tests).
+exactly the tiled form's. The kernel is the Triton one on an NVIDIA GPU and jax's megablox `gmm`
+(Mosaic) on a TPU; elsewhere `pallas` needs interpretation asked for
+(`kernels_pallas.common.interpreting`: slow, for tests) and raises
+`kernels_pallas.common.PallasUnavailableError` without it.
 
-`auto` picks per call, in `resolve`: `pallas` on a GPU; elsewhere, statically from the shapes,
+`auto` picks per call, in `resolve`: `pallas` where Pallas compiles natively (a GPU; a TPU, where
+this choice is not measured); elsewhere, statically from the shapes,
 the tiled form where the mean group has at least `AUTO_MIN_MEAN_GROUP_ROWS` rows (training and
 prefill: there the dense expansion's E-fold work dominates), `ragged_dot` below (decode: few rows
 per expert, where the tiled form's weight gather, `n_tiles` >= E weight matrices copied per
@@ -62,12 +66,13 @@ AUTO_MIN_MEAN_GROUP_ROWS = 128
 
 def resolve(impl: GroupedMatmul | str, m: int, n_groups: int) -> GroupedMatmul:
     """The concrete grouped matmul for M rows over `n_groups` groups; the one place `auto` is
-    decided: `pallas` on a GPU (`kernels_pallas.common.on_gpu`), elsewhere `tiled` from a mean
-    group of `AUTO_MIN_MEAN_GROUP_ROWS` rows on and `ragged_dot` below. Other choices stand."""
+    decided: `pallas` where Pallas compiles natively (`kernels_pallas.common.native_lowering`: a
+    GPU or a TPU), elsewhere `tiled` from a mean group of `AUTO_MIN_MEAN_GROUP_ROWS` rows on and
+    `ragged_dot` below. Other choices stand."""
     impl = GroupedMatmul(impl)
     if impl is not GroupedMatmul.AUTO:
         return impl
-    if common.on_gpu():
+    if common.native_lowering():
         return GroupedMatmul.PALLAS
     tiled = m >= AUTO_MIN_MEAN_GROUP_ROWS * n_groups
     return GroupedMatmul.TILED if tiled else GroupedMatmul.RAGGED_DOT
@@ -145,7 +150,10 @@ def pallas_ragged_dot(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int | None = None
 ) -> jax.Array:
     """`ragged_dot(lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]` in lhs.dtype: forward by
-    the Pallas grouped matmul, backward by `tiled_ragged_dot`'s VJP (`tile` rows per tile)."""
+    the Pallas grouped matmul, backward by `tiled_ragged_dot`'s VJP (`tile` rows per tile).
+    Raises `kernels_pallas.common.PallasUnavailableError` where Pallas neither compiles nor is
+    interpreted (`common.pallas_target`)."""
+    common.pallas_target()  # rather than a silent fallback to `ragged_dot`
     w = jnp.swapaxes(rhs, -1, -2)  # [E, N, K]: the kernel's layout (the model stores it so)
     return grouped_matmul(lhs, w, group_sizes, implementation=_PALLAS_ORDER, out_dtype=lhs.dtype)
 

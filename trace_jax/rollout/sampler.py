@@ -196,9 +196,10 @@ def generate(
       capture_mode: "compact" or "full" guidance.
       implementation: "xla" (plain XLA), or "pallas" for the Pallas FP4 kernel ops (fused
         quantize + capture at the FP4 sites and KV writes, FP4 decode attention over the packed
-        cache, and the FP4 MoE matmul over expert weights packed once per call; interpret mode
-        off the GPU); both record identical codes and guidance where their inputs agree. It
-        reaches the model through the sites (`QuantSites(implementation=...)`).
+        cache, and the FP4 MoE matmul over expert weights packed once per call; elsewhere than
+        a GPU or a TPU only inside `kernels_pallas.common.interpreting`); both record identical
+        codes and guidance where their inputs agree. It reaches the model through the sites
+        (`QuantSites(implementation=...)`).
       residual_fraction: QUADS' residual activation compensation (see `QuantSites`); 0 = off.
     """
     model: Qwen3MoE = nnx.merge(graphdef, params)
