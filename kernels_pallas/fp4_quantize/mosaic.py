@@ -8,10 +8,12 @@ blocks along the lanes. What differs from the Triton kernel, and why:
   Mosaic that reshape splits the lane axis into 16- or 32-lane minor dims, a relayout Mosaic's
   vector layout pass offers only for whole 128-lane groups. This body keeps `[rows, N]` and
   gives every lane its block's values instead: the block max by a butterfly of lane rotations
-  (`pltpu.roll`, log2(block) steps), then the scale bits, the scale's reciprocal and the rollout's
-  scale bits per lane. From there each step is `quantize_core`'s (`_scale_bits`, `_normalize`,
-  `_codes`: the same `trace_jax.fp4` functions, in int32 where the quantizer uses uint8, since
-  8-bit vector arithmetic is not native on every TPU); tests hold the bytes to the quantizer's.
+  (`pltpu.roll`, log2(block) steps: `numerics.abs_max`'s integer max, which needs the blocked
+  view), then the scale bits, the scale's reciprocal and the rollout's scale bits per lane.
+  Those and the rounding are the functions `quantize_core` itself calls, which take any shape:
+  `scales.block_scale_bits_from_amax`, `quantize.rollout_scales`, `scales.inverse_scale` and
+  `quantize.round_to_codes`, in int32 (8-bit vector arithmetic is not native on every TPU);
+  tests hold the bytes to the quantizer's.
 - Packing. Packed bytes (2 codes or 8 bits from neighbouring lanes, one scale per block) are lane
   compactions, and the rollout's bytes spread over their lanes are lane expansions: Mosaic has no
   lane gather, and strided loads and stores stride only along sublanes. Both run on the otherwise
@@ -28,12 +30,12 @@ blocks along the lanes. What differs from the Triton kernel, and why:
 
 On the CPU `jit(...).lower(lowering_platforms=("tpu",))` checks the Pallas-to-Mosaic lowering;
 Mosaic's layout passes run only in the TPU compiler. A first TPU run should check that the kernel
-compiles (the lane rotations over multi-vreg rows, the int32 <-> bf16 casts of the packing), the
-bytes against `trace_jax.fp4` on random and NaN/Inf rows (the hardware approximation differs from
-interpret mode's), the VMEM use of wide rows (temporaries of `[block_r, 128 * block]` float32),
-and the time against HBM bandwidth: the per-lane reciprocal of NVFP4's scale (about 40 VPU
-operations per element) may make it VPU-bound, where a per-block reciprocal spread back by the
-MXU would be cheaper.
+compiles (the int32 lane rotations over multi-vreg rows, the row's int32 max reduction, the
+int32 <-> bf16 casts of the packing), the bytes against `trace_jax.fp4` on random and NaN/Inf
+rows (the hardware approximation differs from interpret mode's), the VMEM use of wide rows
+(temporaries of `[block_r, 128 * block]` float32), and the time against HBM bandwidth: the
+per-lane reciprocal of NVFP4's scale (about 40 VPU operations per element) may make it
+VPU-bound, where a per-block reciprocal spread back by the MXU would be cheaper.
 """
 
 from __future__ import annotations
@@ -47,16 +49,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from trace_jax.fp4 import BlockFormat, GuidanceMode, numerics, scales
-from trace_jax.fp4.formats import ElementType, MiniFloatSpec, ScaleType
+from trace_jax.fp4.quantize import Rounding, rollout_scales, round_to_codes
 
 LANES = 128
 # uint8 arrays tile VMEM in (32, 128) blocks.
 UINT8_SUBLANES = 32
 _NEWTON_STEPS = 2
-# NVFP4 block scales (`scales.block_scale_bits`): E4M3 codes from 1 (2**-9) up, 0x7F for NaN.
-_E4M3 = ElementType.E4M3.spec
-_E4M3_NAN = 0x7F
-_E4M3_MIN_SCALE_CODE = 1
 
 
 def newton_reciprocal(m: jax.Array, r0: jax.Array, steps: int = _NEWTON_STEPS) -> jax.Array:
@@ -80,64 +78,22 @@ def reciprocal_estimate(m: jax.Array) -> jax.Array:
     return newton_reciprocal(m, pltpu.reciprocal(m, approx=True))
 
 
-def _block_max(a: jax.Array, block: int) -> jax.Array:
-    """Max of each aligned group of `block` lanes, on every lane of the group: float32 `[r, w]`
-    -> `[r, w]` (NaN wins, as in `jnp.max`). Step `s` takes the max with lane `i ^ s`, which a
-    rotation by `s` one way or the other brings to lane `i`."""
-    w = a.shape[1]
-    lane = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+def _block_abs_max(x: jax.Array, block: int) -> jax.Array:
+    """`numerics.abs_max` of each aligned group of `block` lanes, on every lane of the group:
+    float32 `[r, w]` -> `[r, w]`. A butterfly of lane rotations stands in for abs_max's reduction
+    over a `[r, w / block, block]` view, which Mosaic cannot form (module docstring); like
+    abs_max it takes an int32 max over the bit patterns of |x|, so NaN wins on every backend.
+    Step `s` takes the max with lane `i ^ s`, which a rotation by `s` one way or the other brings
+    to lane `i`."""
+    m = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+    w = m.shape[1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 1)
     s = 1
     while s < block:
-        partner = jnp.where((lane & s) != 0, pltpu.roll(a, s, 1), pltpu.roll(a, w - s, 1))
-        a = jnp.maximum(a, partner)
+        partner = jnp.where((lane & s) != 0, pltpu.roll(m, s, 1), pltpu.roll(m, w - s, 1))
+        m = jnp.maximum(m, partner)
         s *= 2
-    return a
-
-
-def _scale_bits(amax: jax.Array, fmt: BlockFormat, s_g: jax.Array | None) -> jax.Array:
-    """`scales.block_scale_bits` (int32) from the block max `amax` already taken (every lane its
-    block's, float32 `[r, w]`); `s_g` float32 `[r, 1]` (NVFP4) or None."""
-    nonfinite = ~jnp.isfinite(amax)
-    if fmt.scale is ScaleType.E8M0:
-        e = numerics.floor_log2(amax) - fmt.elem.max_exponent
-        return jnp.where(nonfinite, 0xFF, jnp.clip(e, -127, 127) + 127)  # numerics.encode_e8m0
-    raw = amax * scales.reciprocal(np.float32(fmt.elem.max_value) * s_g, reciprocal_estimate)
-    raw = jnp.minimum(raw, _E4M3.max_value)
-    idx = jnp.maximum(numerics.nearest_even_index(raw, _E4M3), _E4M3_MIN_SCALE_CODE)
-    return jnp.where(nonfinite | jnp.isnan(raw), _E4M3_NAN, idx)
-
-
-def _normalize(x: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
-    """`scales.normalize` with the scale bits (int32) on every lane: float32 `x / scale`."""
-    if fmt.scale is ScaleType.E8M0:
-        inv = numerics.exp2_int(jnp.clip(127 - bits, -126, 127))
-        return x * jnp.where(bits == 0xFF, jnp.nan, inv)
-    combined = scales.scale_bits_to_float32(bits, fmt) * s_g
-    return x * scales.reciprocal(combined, reciprocal_estimate)
-
-
-def _codes(
-    z: jax.Array, spec: MiniFloatSpec, guide_mode: GuidanceMode | None, guide: jax.Array | None
-) -> jax.Array:
-    """`quantize_core`'s rounding of the normalized `z` (float32): RTN, or guided by the
-    rollout's code (full) or mantissa bit (compact) on each lane (int32). Returns int32 codes."""
-    a = jnp.minimum(jnp.abs(z), spec.max_value)
-    negative = (z < 0).astype(jnp.int32)
-    if guide_mode is None:
-        idx = numerics.nearest_even_index(a, spec)
-    else:
-        lo, hi, lo_idx, hi_idx = numerics.grid_neighbours(a, spec)
-        idx = numerics.select_nearest_even(a, lo, hi, lo_idx, hi_idx)
-        if guide_mode is GuidanceMode.FULL:
-            r_idx = guide & ((1 << spec.sign_shift) - 1)
-            r_neg = (guide >> spec.sign_shift) & 1
-            r_mag = numerics.magnitude_value(r_idx, spec)
-            target = jnp.where((r_neg == negative) | (r_idx == 0), r_mag, -r_mag)
-            idx = numerics.select_toward(lo, hi, lo_idx, hi_idx, target, idx)
-        else:
-            idx = numerics.select_by_bit(lo_idx, hi_idx, guide)
-    idx = jnp.where(jnp.isnan(a), 0, idx)
-    return jnp.where(idx == 0, 0, negative << spec.sign_shift) | idx  # numerics.encode
+    return jax.lax.bitcast_convert_type(m, jnp.float32)
 
 
 def _as_bf16(v: jax.Array) -> jax.Array:
@@ -192,29 +148,30 @@ def _kernel(*refs, fmt: BlockFormat, guide_mode: GuidanceMode | None, chunk: int
     def spread(ref, a, b, per, matrix):  # the rollout's bytes of columns [a, b), on their lanes
         return _lane_matmul(ref[:, a // per : b // per].astype(jnp.int32), matrix)
 
-    s_g = s_g_used = None
+    s_g = s_g_used = g_global = None
     if fmt.has_global_scale:
-        amax = jnp.max(jnp.abs(x_ref[...].astype(jnp.float32)), axis=1, keepdims=True)
-        s_g = s_g_used = scales.global_scale_from_amax(amax, fmt)
-        if guide_mode is not None:  # the rollout's, except where the row's own is NaN
-            s_g_used = jnp.where(jnp.isnan(s_g), s_g, g_global_ref[...])
+        row_amax = numerics.abs_max(x_ref[...], 1, keepdims=True)
+        s_g = s_g_used = scales.global_scale_from_amax(row_amax, fmt)
+        if guide_mode is not None:
+            g_global = g_global_ref[...]
+    rounding = Rounding.RTN if guide_mode is None else Rounding.GUIDED
     for a in range(0, n, chunk):
         b = a + chunk
         x = x_ref[:, a:b].astype(jnp.float32)
-        bits = _scale_bits(_block_max(jnp.abs(x), bs), fmt, s_g)
-        guide = None
+        amax = _block_abs_max(x, bs)
+        bits = scales.block_scale_bits_from_amax(amax, fmt, s_g, estimate=reciprocal_estimate)
+        guide = {}
         if guide_mode is not None:
-            # The rollout's scales, except on blocks whose own scale is NaN (quantize_core).
             rollout_bits = spread(g_bits_ref, a, b, bs, spread_scales)
-            own_nan = jnp.isnan(scales.scale_bits_to_float32(bits, fmt))
-            bits = jnp.where(own_nan, bits, rollout_bits)
+            bits, s_g_used = rollout_scales(bits, s_g, fmt, rollout_bits, g_global)
             byte = spread(payload_ref, a, b, per_byte, spread_payload)
             lane = jax.lax.broadcasted_iota(jnp.int32, byte.shape, 1)
             if guide_mode is GuidanceMode.FULL:
-                guide = jnp.where((lane & 1) != 0, byte >> 4, byte & 0xF)
+                guide["guide_codes"] = jnp.where((lane & 1) != 0, byte >> 4, byte & 0xF)
             else:
-                guide = (byte >> (lane & 7)) & 1
-        codes = _codes(_normalize(x, bits, s_g_used, fmt), fmt.elem, guide_mode, guide)
+                guide["guide_bits"] = (byte >> (lane & 7)) & 1
+        z = x * scales.inverse_scale(bits, s_g_used, fmt, estimate=reciprocal_estimate)
+        codes = round_to_codes(z, fmt.elem, rounding=rounding, **guide)
         codes_ref[:, a // 2 : b // 2] = _lane_matmul(codes, pack_codes).astype(jnp.uint8)
         cbits_ref[:, a // 8 : b // 8] = _lane_matmul(codes & 1, pack_bits).astype(jnp.uint8)
         bits_ref[:, a // bs : b // bs] = _lane_matmul(bits, pick_scales).astype(jnp.uint8)

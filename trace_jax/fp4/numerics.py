@@ -220,10 +220,10 @@ def magnitude_value(idx: jax.Array, spec: MiniFloatSpec) -> jax.Array:
 
 
 def encode(sign: jax.Array, idx: jax.Array, spec: MiniFloatSpec) -> jax.Array:
-    """Code `sign << sign_shift | idx` as uint8, with zero always encoded as +0 (code 0)."""
-    idx = idx.astype(jnp.uint8)
-    s = jnp.where(idx == 0, 0, sign.astype(jnp.uint8))
-    return (s << spec.sign_shift) | idx
+    """Code `sign << sign_shift | idx` (int32, below 256), zero always encoded as +0 (code 0).
+    int32 rather than uint8: Mosaic kernels avoid 8-bit vector arithmetic; callers cast."""
+    idx = idx.astype(jnp.int32)
+    return jnp.where(idx == 0, 0, sign.astype(jnp.int32) << spec.sign_shift) | idx
 
 
 def decode(codes: jax.Array, spec: MiniFloatSpec) -> jax.Array:
@@ -259,9 +259,8 @@ def decode_e4m3_bits(bits: jax.Array) -> jax.Array:
 
 
 def encode_e8m0(e: jax.Array, nonfinite: jax.Array) -> jax.Array:
-    """E8M0 bits (uint8) of 2**e, e clamped to [-127, 127]; NaN (0xFF) where `nonfinite`."""
-    bits = jnp.clip(e, -127, 127) + 127
-    return jnp.where(nonfinite, 0xFF, bits).astype(jnp.uint8)
+    """E8M0 bits (int32, 0-255) of 2**e, e clamped to [-127, 127]; NaN (0xFF) where `nonfinite`."""
+    return jnp.where(nonfinite, 0xFF, jnp.clip(e, -127, 127) + 127)
 
 
 def decode_e8m0(bits: jax.Array) -> jax.Array:

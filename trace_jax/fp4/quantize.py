@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax.fp4 import numerics, scales
-from trace_jax.fp4.formats import BlockFormat, get_format
+from trace_jax.fp4.formats import BlockFormat, MiniFloatSpec, get_format
 from trace_jax.fp4.guidance import Guidance, GuidanceMode
 from trace_jax.fp4.qtensor import QTensor, blocks_shape
 
@@ -76,7 +76,6 @@ def quantize_core(
     Returns:
       `(codes uint8 [..., N], scale bits uint8 [..., NB], global scale or None)`.
     """
-    spec = fmt.elem
     nb = x32.shape[-1] // fmt.block_size
     block_shape = (*x32.shape[:-1], nb, fmt.block_size)
     xb = x32.reshape(block_shape)
@@ -85,20 +84,83 @@ def quantize_core(
     if bits is None:
         bits = scales.block_scale_bits(xb, fmt, s_g, estimate=est)
 
-    guided = rounding is Rounding.GUIDED
-    if guided:
-        # The rollout's scales replace the trainer's own except where those are NaN (the block or
-        # its NVFP4 global group holds NaN or Inf): guided rounding marks the blocks RTN marks,
-        # and no finite number stands in for the trainer's NaN.
+    if rounding is Rounding.GUIDED:
         row = True if guide_rows is None else guide_rows[..., None]
-        own_nan = jnp.isnan(scales.scale_bits_to_float32(bits, fmt))
-        bits = jnp.where(row & ~own_nan, guide_scale_bits, bits)
-        if s_g is not None:
-            s_g = jnp.where(row & ~jnp.isnan(s_g), guide_global, s_g)
+        bits, s_g = rollout_scales(bits, s_g, fmt, guide_scale_bits, guide_global, rows=row)
 
     z = scales.normalize(xb, bits, s_g, fmt, estimate=est)
+
+    def blocked(v):
+        return None if v is None else v.reshape(block_shape)
+
+    codes = round_to_codes(
+        z,
+        fmt.elem,
+        rounding=rounding,
+        u=blocked(u),
+        guide_codes=blocked(guide_codes),
+        guide_bits=blocked(guide_bits),
+        guide_rows=None if guide_rows is None else guide_rows[..., None, None],
+    )
+    return codes.astype(jnp.uint8).reshape(x32.shape), bits, s_g
+
+
+def rollout_scales(
+    bits: jax.Array,
+    s_g: jax.Array | None,
+    fmt: BlockFormat,
+    guide_scale_bits: jax.Array,
+    guide_global: jax.Array | None,
+    *,
+    rows: jax.Array | bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The scales guided rounding uses: the rollout's block-scale bits and global scale in place
+    of the trainer's own, except where those are NaN (the block or its NVFP4 global group holds
+    NaN or Inf): guided rounding marks the blocks RTN marks, and no finite number stands in for
+    the trainer's NaN.
+
+    bits, guide_scale_bits: integer block-scale bits `[..., NB]` (or a kernel's `[R, W]` holding
+    every lane's block scale); s_g, guide_global: float32 global scales broadcastable to
+    `[..., 1]`, or None (MX). rows: bool broadcastable to `[..., 1]`, the rows that carry
+    guidance (True: all). Returns `(bits, s_g)` to round with.
+    """
+    own_nan = jnp.isnan(scales.scale_bits_to_float32(bits, fmt))
+    bits = jnp.where(rows & ~own_nan, guide_scale_bits, bits)
+    if s_g is not None:
+        s_g = jnp.where(rows & ~jnp.isnan(s_g), guide_global, s_g)
+    return bits, s_g
+
+
+def round_to_codes(
+    z: jax.Array,
+    spec: MiniFloatSpec,
+    *,
+    rounding: Rounding = Rounding.RTN,
+    u: jax.Array | None = None,
+    guide_codes: jax.Array | None = None,
+    guide_bits: jax.Array | None = None,
+    guide_rows: jax.Array | None = None,
+) -> jax.Array:
+    """`quantize_core`'s rounding step: codes of the normalized `z = x / scale` on `spec`'s grid.
+
+    Args:
+      z: float32, any shape (`[..., NB, BS]`, or a kernel's `[R, W]`).
+      spec: the element minifloat.
+      rounding: RTN (nearest, ties to even, saturating), STOCHASTIC (with `u ~ U[0, 1)` of z's
+        shape) or GUIDED.
+      guide_codes / guide_bits: GUIDED: the rollout's codes (full) or mantissa bits (compact),
+        integers of z's shape (exactly one of them). A full code picks the grid neighbour nearest
+        the rollout's value, a compact bit the neighbour with that mantissa LSB.
+      guide_rows: GUIDED: bool broadcastable to z, the elements that follow the guidance (the
+        others round to nearest); None: all.
+
+    Returns:
+      int32 codes `sign << sign_shift | magnitude code` (below 256) of z's shape, zero as +0 and
+      NaN as code 0 (its block's NaN scale marks it): int32 so that kernels without 8-bit vector
+      arithmetic (Mosaic) use them as they are.
+    """
     a = jnp.minimum(jnp.abs(z), spec.max_value)
-    sign = z < 0
+    negative = (z < 0).astype(jnp.int32)
     if rounding is Rounding.RTN:
         idx = numerics.nearest_even_index(a, spec)
     else:  # the two grid neighbours to choose from; nearest-even among them, as cheap here
@@ -106,25 +168,24 @@ def quantize_core(
         idx = numerics.select_nearest_even(a, lo, hi, lo_idx, hi_idx)
 
     if rounding is Rounding.STOCHASTIC:
-        idx = numerics.select_stochastic(a, lo, hi, lo_idx, hi_idx, u.reshape(block_shape))
-    elif guided:
+        idx = numerics.select_stochastic(a, lo, hi, lo_idx, hi_idx, u)
+    elif rounding is Rounding.GUIDED:
         if guide_codes is not None:
-            r = guide_codes.reshape(block_shape).astype(jnp.int32)
+            r = guide_codes.astype(jnp.int32)
             r_idx = r & ((1 << spec.sign_shift) - 1)
-            r_neg = (r >> spec.sign_shift) & 1 == 1
+            r_neg = (r >> spec.sign_shift) & 1
             r_mag = numerics.magnitude_value(r_idx, spec)
             # The rollout's value as a magnitude on the trainer value's side of zero.
-            target = jnp.where((r_neg == sign) | (r_idx == 0), r_mag, -r_mag)
+            target = jnp.where((r_neg == negative) | (r_idx == 0), r_mag, -r_mag)
             guided_idx = numerics.select_toward(lo, hi, lo_idx, hi_idx, target, idx)
         else:
-            guided_idx = numerics.select_by_bit(lo_idx, hi_idx, guide_bits.reshape(block_shape))
+            guided_idx = numerics.select_by_bit(lo_idx, hi_idx, guide_bits)
         if guide_rows is not None:
-            guided_idx = jnp.where(guide_rows[..., None, None], guided_idx, idx)
+            guided_idx = jnp.where(guide_rows, guided_idx, idx)
         idx = guided_idx
 
     idx = jnp.where(jnp.isnan(a), 0, idx)
-    codes = numerics.encode(sign, idx, spec).reshape(x32.shape)
-    return codes, bits, s_g
+    return numerics.encode(negative, idx, spec)
 
 
 # `quantize` runs the core as a nested jit: a model has many quantization sites of few distinct

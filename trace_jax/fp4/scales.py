@@ -90,17 +90,28 @@ def block_scale_bits(
     `estimate`: `reciprocal`'s.
     """
     amax = numerics.abs_max(xb, -1)
+    return block_scale_bits_from_amax(amax, fmt, s_g, estimate=estimate).astype(jnp.uint8)
+
+
+def block_scale_bits_from_amax(
+    amax: jax.Array, fmt: BlockFormat, s_g: jax.Array | None, *, estimate: Estimate | None = None
+) -> jax.Array:
+    """`block_scale_bits` from each block's max |x| already taken (`numerics.abs_max`).
+
+    amax: float32, any shape (`[..., NB]`, or a kernel's `[R, W]` holding every lane's block
+    max); `s_g` broadcastable to it (NVFP4), else None; `estimate`: `reciprocal`'s.
+    Returns int32 bit patterns (0-255) of amax's shape: int32 so that kernels without 8-bit
+    vector arithmetic (Mosaic) use them as they are.
+    """
     nonfinite = ~jnp.isfinite(amax)
     if fmt.scale is ScaleType.E8M0:
         e = numerics.floor_log2(amax) - fmt.elem.max_exponent
-        bits = numerics.encode_e8m0(e, nonfinite)
-    else:
-        raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g, estimate)
-        raw = jnp.minimum(raw, _E4M3.max_value)
-        # Code 1 is 2**-9, the smallest scale: a scale rounding to zero is raised to it.
-        idx = jnp.maximum(numerics.nearest_even_index(raw, _E4M3), _E4M3_MIN_SCALE_CODE)
-        bits = jnp.where(nonfinite | jnp.isnan(raw), _E4M3_NAN, idx).astype(jnp.uint8)
-    return bits.astype(jnp.uint8)
+        return numerics.encode_e8m0(e, nonfinite)
+    raw = amax * reciprocal(np.float32(fmt.elem.max_value) * s_g, estimate)
+    raw = jnp.minimum(raw, _E4M3.max_value)
+    # Code 1 is 2**-9, the smallest scale: a scale rounding to zero is raised to it.
+    idx = jnp.maximum(numerics.nearest_even_index(raw, _E4M3), _E4M3_MIN_SCALE_CODE)
+    return jnp.where(nonfinite | jnp.isnan(raw), _E4M3_NAN, idx)
 
 
 def to_bits(scales: jax.Array) -> jax.Array:
@@ -134,18 +145,26 @@ def normalize(
     estimate: Estimate | None = None,
 ):
     """`x / scale` per element: `xb [..., NB, BS]` float32 -> float32; `bits` uint8 `[..., NB]`;
-    `estimate`: `reciprocal`'s.
+    `estimate`: `reciprocal`'s."""
+    return xb * inverse_scale(bits, s_g, fmt, estimate=estimate)[..., None]
 
-    MX scales are powers of two, so division is a multiplication by the exact inverse (this also
-    keeps the all-zero block's 2**-127 scale, a float32 subnormal, out of the arithmetic).
+
+def inverse_scale(
+    bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat, *, estimate: Estimate | None = None
+) -> jax.Array:
+    """float32 `1 / scale` of block-scale bits (any integer dtype, any shape: `[..., NB]`, or a
+    kernel's `[R, W]` holding every lane's block scale); `s_g` broadcastable to it (NVFP4), else
+    None; `estimate`: `reciprocal`'s. NaN for a NaN scale.
+
+    MX scales are powers of two, so the inverse is exact (this also keeps the all-zero block's
+    2**-127 scale, a float32 subnormal, out of the arithmetic).
     """
     if fmt.scale is ScaleType.E8M0:
         e = bits.astype(jnp.int32) - 127
         inv = numerics.exp2_int(jnp.clip(-e, -126, 127))
-        inv = jnp.where(bits == 0xFF, jnp.nan, inv)
-        return xb * inv[..., None]
+        return jnp.where(bits == 0xFF, jnp.nan, inv)
     combined = scale_bits_to_float32(bits, fmt) * s_g
-    return xb * reciprocal(combined, estimate)[..., None]
+    return reciprocal(combined, estimate)
 
 
 def denormalize(qb: jax.Array, bits: jax.Array, s_g: jax.Array | None, fmt: BlockFormat):
