@@ -34,6 +34,7 @@ from ml_collections import ConfigDict
 
 from experiments import harness
 from kernels_pallas import common
+from kernels_pallas.fp4_quantize import mosaic as quantize_mosaic
 from trace_jax import fp4
 from trace_jax.fp4 import scales
 
@@ -47,11 +48,14 @@ def divisors(n: int, seed: int = 0) -> np.ndarray:
 
 
 def pallas_reciprocal(d: jax.Array, *, interpret: bool) -> jax.Array:
-    """`scales.reciprocal` inside a Pallas kernel: float32 [n] (n a multiple of 1024); compiled
-    for the GPU, with `common.rcp_approx` as its estimate."""
-
-    # On the GPU with the quantize kernel's one-instruction estimate, as that kernel runs it.
-    estimate = None if interpret else common.rcp_approx
+    """`scales.reciprocal` inside a Pallas kernel: float32 [n] (n a multiple of 1024), with the
+    estimate the quantize kernel passes where it runs natively (`common.rcp_approx` on a GPU,
+    the Mosaic kernel's `reciprocal_estimate` on a TPU); interpreted, the plain division."""
+    estimate = None
+    if not interpret and common.native_lowering() is common.Lowering.TRITON:
+        estimate = common.rcp_approx
+    elif not interpret:
+        estimate = quantize_mosaic.reciprocal_estimate
 
     def kernel(d_ref, o_ref):
         o_ref[...] = scales.reciprocal(d_ref[...], estimate)
@@ -72,7 +76,7 @@ def reciprocal_row(n: int) -> dict:
     ieee = np.float32(1) / d
     on_device = jnp.asarray(d)
     xla = np.asarray(jax.jit(scales.reciprocal)(on_device))
-    interpret = jax.default_backend() == "cpu"
+    interpret = common.native_lowering() is None
     kernel = np.asarray(pallas_reciprocal(on_device, interpret=interpret))
     return {
         "check": "reciprocal",
