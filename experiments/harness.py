@@ -2,7 +2,9 @@
 timing, and GPU worker subprocesses.
 
 Flags: `define_config_flag` (`--config`: a file that does not load stops the program at once),
-`define_fresh_flag` (`--fresh`), `define_result_flags` (`--outdir`, `--name`); `run_app` is the
+`define_fresh_flag` (`--fresh`), `define_result_flags` (`--outdir`, `--name`),
+`define_distributed_flags` (`--coordinator`, `--num_processes`, `--process_id`: one process of a
+multi-process run, joined by `join_from_flags` before any JAX backend use); `run_app` is the
 whole absl main of an entry point that writes one result; `refusals_exit` turns the library's
 refusals of settings into a one-line error.
 
@@ -46,6 +48,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from trace_jax import fp4
+from trace_jax.distributed import DistributedConfig, initialize
 from trace_jax.fp4 import PackedTensorCache
 from trace_jax.rl.config_dict import ConfigError
 from trace_jax.rl.logs import quiet_third_party
@@ -133,16 +136,67 @@ def define_workdir_flags(config: str, workdir: str, workdir_help: str) -> None:
 
 def workdir_main(run: Callable[..., Any]) -> Callable[[Sequence[str]], None]:
     """The absl `main` of an entry point `run(config, workdir, *, fresh)` with the flags of
-    `define_workdir_flags`: third-party logging quiet unless `--verbose`, refusals as one line."""
+    `define_workdir_flags`: third-party logging quiet unless `--verbose`, refusals as one line;
+    the process joins its multi-process run first when the entry point defines
+    `define_distributed_flags`."""
 
     def main(argv: Sequence[str]) -> None:
         del argv
         f = flags.FLAGS
         quiet_third_party(f.verbose)
+        if "coordinator" in f:  # the entry point defines the distributed flags
+            join_from_flags()
         with refusals_exit():
             run(f.config, f.workdir, fresh=f.fresh)
 
     return main
+
+
+DISTRIBUTED_FLAGS = ("coordinator", "num_processes", "process_id")
+
+
+def define_distributed_flags(flag_values=flags.FLAGS) -> None:
+    """Defines `--coordinator`, `--num_processes` and `--process_id`: how this process joins a
+    multi-process run (`trace_jax.distributed.DistributedConfig`; none set: one process).
+    Inconsistent values stop the program at flag parsing with a one-line error.
+
+    Flags rather than config fields: where the processes meet is a property of the launch,
+    not of the run (a resumed run may start elsewhere), and the workdir records the config."""
+    flags.DEFINE_string(
+        "coordinator",
+        "",
+        "process 0's host:port, the same on every process ('auto': JAX detects the cluster: "
+        "Cloud TPU pods, SLURM, Open MPI); empty: one process",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_integer(
+        "num_processes", None, "processes of the run (with --coordinator)", flag_values=flag_values
+    )
+    flags.DEFINE_integer(
+        "process_id", None, "this process's rank in [0, num_processes)", flag_values=flag_values
+    )
+
+    def check(values: dict) -> bool:
+        try:
+            DistributedConfig(**values)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+
+    flags.register_multi_flags_validator(DISTRIBUTED_FLAGS, check, flag_values=flag_values)
+
+
+def distributed_from_flags(flag_values=flags.FLAGS) -> DistributedConfig:
+    """The `DistributedConfig` of the flags `define_distributed_flags` defines."""
+    return DistributedConfig(**{name: flag_values[name].value for name in DISTRIBUTED_FLAGS})
+
+
+def join_from_flags(flag_values=flags.FLAGS) -> DistributedConfig:
+    """Joins the multi-process run the distributed flags describe (nothing for one process);
+    call it before anything uses a JAX backend. Returns the config joined."""
+    config = distributed_from_flags(flag_values)
+    initialize(config)
+    return config
 
 
 def define_result_flags(name: str) -> None:

@@ -1,10 +1,18 @@
-r"""GRPO with FP4 rollouts and any registered method, in one process; resumable.
+r"""GRPO with FP4 rollouts and any registered method, on one process or several; resumable.
 
   python -m experiments.main --config=configs/tiny_cpu.py --workdir=/tmp/trace_tiny \
       --config.rl.init_from=/tmp/trace_tiny/sft_checkpoint --config.rl.method=trace
 
+  # Two processes of two CPU devices each, one 4-device mesh (the same command with
+  # --process_id=1 in a second shell; on a TPU pod or under SLURM: --coordinator=auto):
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m experiments.main \
+      --config=configs/tiny_cpu.py --workdir=/tmp/trace_mp --config.mesh.data=4 \
+      --coordinator=localhost:12355 --num_processes=2 --process_id=0
+
 Runs `trace_jax.rl.RLLoop` (what it writes to --workdir: `trace_jax/rl/loop.py`), then plots
-`rl_curves.png` (reward, train-rollout log-prob gap, response length per step). Rerun the same
+`rl_curves.png` (reward, train-rollout log-prob gap, response length per step). With
+`--coordinator`, every process runs this program on one mesh over all their devices
+(`trace_jax.distributed`); process 0 writes the files. Rerun the same
 command to resume after a kill. A bad setting is refused before anything is created; a workdir
 made with other settings is refused (`trace_jax.rl.workdir`: more steps and the eval /
 checkpoint cadence may change) unless `--fresh` moves it aside first.
@@ -18,6 +26,7 @@ import matplotlib
 from absl import app
 
 from experiments import harness
+from trace_jax.distributed import is_primary, on_primary
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
@@ -57,9 +66,10 @@ def run(cd, workdir: str, *, fresh: bool = False) -> list[dict]:
     settings are checked before anything is created."""
     config = ExperimentConfig.from_config_dict(cd)
     if fresh:
-        move_aside(workdir)
+        on_primary(lambda: move_aside(workdir), "moving the workdir aside")
     history = RLLoop(config, workdir).run()
-    plot_curves(workdir)
+    if is_primary():
+        plot_curves(workdir)
     return history
 
 
@@ -68,6 +78,7 @@ main = harness.workdir_main(run)
 
 def define_flags() -> None:
     harness.define_workdir_flags("tiny_cpu", "workdir/rl", "checkpoints, guidance store, logs")
+    harness.define_distributed_flags()
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ def finished(tmp_path_factory):
         fp4 = 0.001 * (mode is SiteMode.RTN)
         return {s: 0.1 + 0.01 * i + fp4 for i, s in enumerate(config.splits)}
 
-    def rl_scores(model, config, keys, *, qcfg=None, mode=SiteMode.OFF, implementation="auto"):
+    def rl_scores(
+        model, config, keys, *, qcfg=None, mode=SiteMode.OFF, implementation="auto", mesh=None
+    ):
         rl_calls.append(mode)
         return {s: 0.5 + 0.1 * len(rl_calls) + 0.01 * i for i, s in enumerate(config.splits)}
 

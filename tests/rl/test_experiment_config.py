@@ -228,6 +228,7 @@ BAD_VALUES = {
     "rl.max_staleness": (-1, lambda cd: cd.rl.mini_batches - 2),
     "mesh.data": (0, -1, 3),
     "mesh.expert": (0, -1, lambda cd: _experts(cd) + 1),
+    "mesh.fsdp": (0, -1, 3),
     "disaggregated.lag": (-1, lambda cd: cd.rl.max_staleness + 1),
     "disaggregated.timeout_s": (0.0, -1.0, math.nan),
     "disaggregated.heartbeat_timeout_s": (0.0, -1.0),

@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from trace_jax.distributed import host_value, on_primary
 from trace_jax.faults import maybe_die
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,9 @@ _fingerprints = jax.jit(
 
 def _checksums_and_nonfinite(tree) -> tuple[dict[str, str], list[str]]:
     """({leaf name: 16 hex digits}, names of the leaves holding a NaN or Inf) of a pytree of
-    arrays (one device round trip)."""
-    sums, finite = jax.device_get(_fingerprints(tree))
+    arrays (one device round trip; on every process of a multi-process run, each reading the
+    same reduced values)."""
+    sums, finite = host_value(_fingerprints(tree))
     flat = jax.tree_util.tree_flatten_with_path
     checksums = {_path_name(p): "".join(f"{int(s):08x}" for s in v) for p, v in flat(sums)[0]}
     nonfinite = [_path_name(p) for p, ok in flat(finite)[0] if not ok]
@@ -140,11 +142,14 @@ def save_params(model: nnx.Module, path: str) -> None:
 
 
 def load_params(model: nnx.Module, path: str) -> None:
-    """Restores `nnx.Param` state saved by `save_params` into `model` (shapes must match).
-    Raises CheckpointCorruptError when it fails verification (module docstring)."""
+    """Restores `nnx.Param` state saved by `save_params` into `model` (shapes must match), each
+    array read straight into the placement of `model`'s (on every process of a multi-process
+    run, each reading its shards). Raises CheckpointCorruptError when it fails verification
+    (module docstring)."""
     path = os.path.abspath(path)
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(model, nnx.Param)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        nnx.state(model, nnx.Param),
     )
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no saved parameters at {path}")
@@ -206,8 +211,13 @@ def save_train_state(
 
 
 def _set_aside(manager: ocp.CheckpointManager, steps: list[int]) -> None:
-    """Moves the step directories `steps` into `<directory>/corrupt/` and rereads the step list."""
-    directory = str(manager.directory)
+    """Moves the step directories `steps` into `<directory>/corrupt/` (process 0) and rereads
+    the step list (every process)."""
+    on_primary(lambda: _move_to_corrupt(str(manager.directory), steps), "moving checkpoints")
+    manager.reload()
+
+
+def _move_to_corrupt(directory: str, steps: list[int]) -> None:
     os.makedirs(os.path.join(directory, CORRUPT_DIR), exist_ok=True)
     for step in steps:
         dest, n = os.path.join(directory, CORRUPT_DIR, str(step)), 0
@@ -216,7 +226,6 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int]) -> None:
             dest = os.path.join(directory, CORRUPT_DIR, f"{step}.{n}")
         os.replace(os.path.join(directory, str(step)), dest)
         log.warning("moved the corrupt checkpoint of step %d to %s", step, dest)
-    manager.reload()
 
 
 def restore_train_state(

@@ -314,7 +314,7 @@ def _rollout_steps(
     lag, timeout_s = config.disaggregated.lag, config.disaggregated.timeout_s
     paths = _paths(workdir)
     os.makedirs(paths["rollouts"], exist_ok=True)
-    mesh = experiment_mesh(config.mesh.data, config.mesh.expert)
+    mesh = experiment_mesh(config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     worker = RolloutWorker(config, init_policy(config, mesh), config.method_setup(), mesh)
     abstract = nnx.state(worker.model, nnx.Param)
     rows = []
@@ -360,7 +360,7 @@ def _trainer_steps(
     config: ExperimentConfig, workdir: str, beat: Heartbeat, partner: PartnerWatch
 ) -> list[dict]:
     paths = _paths(workdir)
-    mesh = experiment_mesh(config.mesh.data, config.mesh.expert)
+    mesh = experiment_mesh(config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     trainer = Trainer(config, init_policy(config, mesh), config.method_setup(), mesh)
     m, timeout_s = config.rl.grpo.mini_batches, config.disaggregated.timeout_s
     history = []

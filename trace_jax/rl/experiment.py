@@ -14,96 +14,25 @@ reads them from the dataclasses, so no config file restates one.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import ml_collections
 
 from trace_jax import data, tasks
-from trace_jax.models import IMPLEMENTATION_SETTINGS, ModelConfig, hf_files
-from trace_jax.models.hf_checkpoint import read_hf_config
+from trace_jax.models import IMPLEMENTATION_SETTINGS, ModelConfig
 from trace_jax.quant import QUANT_RECIPES, parse_layer_spec
 from trace_jax.rl.config import GRPOConfig
 from trace_jax.rl.config_dict import Checks, ConfigError, field_defaults, section_config_dict
 from trace_jax.rl.methods import METHODS, MethodSetup, get_method
+from trace_jax.rl.model_spec import MODEL_PRESETS as MODEL_PRESETS
+from trace_jax.rl.model_spec import ModelSpec
+from trace_jax.rl.model_spec import check_hf_dir as check_hf_dir
 from trace_jax.tasks.splits import renamed_split_note
-
-# qwen3_5_35b_a3b: the paper's model shapes, for benchmarks (cut by `n_layers` to fit a GPU).
-MODEL_PRESETS = {
-    "tiny": ModelConfig.tiny,
-    "small": ModelConfig.small,
-    "qwen3_5_35b_a3b": ModelConfig.qwen3_5_35b_a3b,
-}
 
 
 def _tuple(obj, field: str) -> None:
     """Freezes a sequence field of a frozen dataclass into a tuple (ConfigDicts may hold lists)."""
     object.__setattr__(obj, field, tuple(getattr(obj, field)))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """The `model` section: a `ModelConfig` preset and the fields an experiment overrides.
-
-    preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul: as `ModelConfig`'s fields.
-    n_layers: the preset's decoder-block count unless set (tests cut `tiny` to 2 blocks).
-    head_dim: the preset's per-head width unless set (the benchmarks' CPU smoke runs widen it).
-    hf_dir: a Hugging Face Qwen3-MoE checkpoint directory (config.json and safetensors weights),
-      or "". When set, the model is its config.json's (`ModelConfig.from_hf_config`, this
-      spec's grouped_matmul, the presets' compute and parameter dtypes) and the policy starts
-      from its weights (`trace_jax.rl.workers.initial_model`); preset and init_std are unused,
-      and n_layers / head_dim are refused (the checkpoint fixes the shapes).
-    """
-
-    preset: str = "tiny"
-    init_std: float = ModelConfig.init_std
-    grouped_matmul: str = ModelConfig.grouped_matmul
-    n_layers: int | None = None
-    head_dim: int | None = None
-    hf_dir: str = ""
-
-    def __post_init__(self):
-        object.__setattr__(self, "hf_dir", self.hf_dir or "")
-        c = Checks("ModelSpec")
-        c.one_of(self, "preset", MODEL_PRESETS)
-        c.number(self, "init_std", "> 0", lambda x: x > 0)
-        c.ints(self, ("n_layers",), 1, optional=True)
-        c.ints(self, ("head_dim",), 2, optional=True)
-        for name in ("n_layers", "head_dim") if self.hf_dir else ():
-            v = getattr(self, name)
-            c.need(v is None, name, f"must be None with hf_dir (config.json sets it), got {v}")
-        if self.hf_dir:
-            _check_path(c, "hf_dir", check_hf_dir, self.hf_dir)
-        if not c.problems:
-            try:
-                self.build()
-            except ValueError as e:  # `ModelConfig`'s own checks, e.g. of grouped_matmul
-                named = [f for f in _SPEC_FIELDS if f"ModelConfig.{f}" in str(e)]
-                where = named[0] if named else ("hf_dir" if self.hf_dir else "preset")
-                c.need(False, where, f"gives no model: {e}")
-        c.raise_any()
-
-    def build(self) -> ModelConfig:
-        """The `ModelConfig` this spec names (its own checks reject bad overrides)."""
-        if self.hf_dir:
-            return read_hf_config(self.hf_dir, grouped_matmul=self.grouped_matmul)
-        shape = {"n_layers": self.n_layers, "head_dim": self.head_dim}
-        overrides = {k: v for k, v in shape.items() if v is not None}
-        return MODEL_PRESETS[self.preset](
-            init_std=self.init_std, grouped_matmul=self.grouped_matmul, **overrides
-        )
-
-
-def check_hf_dir(directory: str) -> None:
-    """Raises ValueError unless `directory` holds a Hugging Face checkpoint's config.json and
-    weights (`model.safetensors`, or the shards' index)."""
-    names = (hf_files.CONFIG_FILE, hf_files.SINGLE_FILE, hf_files.INDEX_FILE)
-    have = [n for n in names if os.path.isfile(os.path.join(directory, n))]
-    if hf_files.CONFIG_FILE not in have or len(have) < 2:
-        raise ValueError(
-            f"must be a directory holding {names[0]} and {names[1]} (or {names[2]}), got "
-            f"{directory!r} (holding {have})"
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,15 +205,18 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Devices of a run: `data` splits each rollout batch (rows), `expert` the routed experts
-    (along E); 1 x 1 is one device without sharding."""
+    """Devices of a run, a (data, fsdp, expert) mesh (`trace_jax.rl.sharding`): `data` and
+    `fsdp` split each rollout batch (rows), `fsdp` also every parameter matrix and its optimizer
+    state (FSDP), `expert` the routed experts (along E); 1 x 1 x 1 is one device without
+    sharding."""
 
     data: int = 1
     expert: int = 1
+    fsdp: int = 1
 
     def __post_init__(self):
         c = Checks("MeshConfig")
-        c.ints(self, ("data", "expert"), 1)
+        c.ints(self, ("data", "expert", "fsdp"), 1)
         c.raise_any()
 
 
@@ -299,7 +231,8 @@ class RLConfig:
     steps: RL steps; each samples `prompts_per_step` training problems x `grpo.group_size`.
     max_new_tokens, temperature: the rollout's sampling.
     rollout_implementation: the rollout's and evaluation's kernels, "auto" (the Pallas FP4 kernels
-      on a GPU, XLA elsewhere: `trace_jax.models.resolve_implementation`), "pallas" or "xla".
+      on a GPU or a TPU, XLA elsewhere: `trace_jax.models.resolve_implementation`), "pallas" or
+      "xla".
     mismatch_every: steps between per-site code-mismatch measurements of FP4 rollouts (0: never).
     eval_every: steps between held-out evaluations (0: never).
     checkpoint_every: steps between checkpoints (the final step is always saved).
@@ -385,7 +318,8 @@ class ExperimentConfig:
 
     def __post_init__(self):
         """Checks what no one section can: the settings named as in the ConfigDict."""
-        rl, grpo, data, lag = self.rl, self.rl.grpo, self.mesh.data, self.disaggregated.lag
+        rl, grpo, lag = self.rl, self.rl.grpo, self.disaggregated.lag
+        data = self.mesh.data * self.mesh.fsdp  # the batch splits over both
         m, rows = grpo.mini_batches, rl.rollouts_per_step
         batch = ("rl.prompts_per_step", "rl.group_size", "rl.mini_batches")
         per_step = f"{rl.prompts_per_step} x {grpo.group_size} = {rows} rollouts per step"
@@ -394,7 +328,7 @@ class ExperimentConfig:
         c.need(rows % m == 0, batch, f"disagree: {per_step} do not split into {m} mini-batches")
         c.need(
             rows % m != 0 or rows % (m * data) == 0,
-            (*batch, "mesh.data"),
+            (*batch, "mesh.data", "mesh.fsdp"),
             f"disagree: {per_step} in {m} mini-batches do not split over {data} devices",
         )
         # The disaggregated trainer's stalest mini-batch: sampled `lag` steps back, then m - 1
@@ -501,7 +435,6 @@ _PLAIN_SECTIONS = {
     "mesh": MeshConfig,
     "disaggregated": DisaggregatedConfig,
 }
-_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
 
 
 def section_defaults(name: str) -> dict[str, Any]:

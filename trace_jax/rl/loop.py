@@ -1,4 +1,5 @@
-"""`RLLoop`: GRPO with FP4 rollouts and any registered method, in one process; resumable.
+"""`RLLoop`: GRPO with FP4 rollouts and any registered method, on one process or as one program
+on every process of a multi-process run (`trace_jax.distributed`); resumable.
 
   loop = RLLoop(ExperimentConfig.from_config_dict(cd), workdir)
   history = loop.run()            # rerun on the same workdir to resume after a kill
@@ -11,6 +12,12 @@ the step waits only for that check), score the responses and run the method's GR
 (`Trainer`). Rollout and trainer share one model here; the disaggregated
 runner (`trace_jax.rl.disaggregated`) runs them as two processes.
 
+On several processes every process runs the loop on one mesh over all their devices: each
+samples and scores the rows its devices hold, the steps reduce over the global batch, and the
+metrics are the same on every process; process 0 alone writes the logs and the run's settings,
+and every process takes part in each checkpoint (orbax writes them collectively). The workdir
+lies on a filesystem every process reaches.
+
 Writes into `workdir`: `rl_metrics.jsonl` (per step: reward, response length, train-rollout
 log-prob gap, clip / truncated-IS fractions, guidance RTN fallbacks, code mismatch on
 mismatch-measuring steps, time split into rollout / guidance I/O / training), `rl_eval.jsonl`
@@ -22,6 +29,7 @@ orbax checkpoints `rl_checkpoints/`, the guidance store `guidance/` and the run'
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -30,6 +38,7 @@ from collections.abc import Sequence
 import jax
 from tqdm import tqdm
 
+from trace_jax.distributed import check_mesh_spans_processes, is_primary, on_primary
 from trace_jax.faults import maybe_die
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
 from trace_jax.rl.checkpoint import checkpoint_manager, restore_train_state, save_train_state
@@ -57,7 +66,7 @@ class RLLoop:
 
     Attributes:
       config: the `ExperimentConfig`. workdir: where the run's state goes (module docstring).
-      mesh: the (data, expert) device mesh of `config.mesh`, or None on one device.
+      mesh: the (data, fsdp, expert) device mesh of `config.mesh`, or None on one device.
       setup: the method resolved for the recipe and model (`MethodSetup`).
       model: the policy (NNX), initialized from `config.rl.init_from` when set.
       optimizer: its `nnx.Optimizer`. store: the run's `GuidanceStore`.
@@ -68,7 +77,9 @@ class RLLoop:
     def __init__(self, config: ExperimentConfig, workdir: str):
         self.config = config
         self.workdir = os.path.abspath(workdir)
-        self.mesh = experiment_mesh(config.mesh.data, config.mesh.expert)  # devices, before files
+        mesh = config.mesh
+        self.mesh = experiment_mesh(mesh.data, mesh.expert, mesh.fsdp)  # devices, before files
+        check_mesh_spans_processes(self.mesh)
         os.makedirs(self.workdir, exist_ok=True)
         self.setup = config.method_setup()
         self.model = init_policy(config, self.mesh)
@@ -134,9 +145,12 @@ class RLLoop:
             qcfg=self.setup.rollout_qcfg,
             mode=self.setup.rollout_mode,
             implementation=self.config.rl.rollout_implementation,
+            mesh=self.mesh,
         )
-        with MetricsLog(self.workdir, "rl_eval", append=True) as eval_log:
-            row = eval_log.write(step, scores)
+        if is_primary():
+            with MetricsLog(self.workdir, "rl_eval", append=True) as eval_log:
+                eval_log.write(step, scores)
+        row = {"step": step, **scores}
         log.info("eval %s", row)
         return row
 
@@ -156,11 +170,10 @@ class RLLoop:
         """
         rl = self.config.rl
         try:
-            guard_workdir(self.workdir, "rl", self.config)  # refuses a workdir of other settings
+            # Refuses a workdir of other settings.
+            on_primary(lambda: guard_workdir(self.workdir, "rl", self.config), "guard_workdir")
             start = self.restore()  # raises when no checkpoint is good
-            # The store refuses to overwrite committed entries; the rows would appear twice.
-            stale = self.store.discard_from(rl.run_id, start)
-            dropped = {n: drop_rows_from(self.workdir, n, start) for n in ("rl_metrics", "rl_eval")}
+            stale, dropped = on_primary(lambda: self._discard_from(start), "discard") or ([], {})
         except Exception:
             self.close()  # the checkpoints, the store and the trainer's threads
             raise
@@ -173,9 +186,19 @@ class RLLoop:
                 dropped,
             )
         history = []
-        with self, MetricsLog(self.workdir, "rl_metrics", append=bool(start)) as metrics_log:
-            steps = range(start, rl.steps)
-            for step in tqdm(steps, desc=f"rl {rl.method}", initial=start, total=rl.steps):
+        with self, contextlib.ExitStack() as logs:
+            metrics_log = None
+            if is_primary():  # the others return their rows only
+                metrics_log = MetricsLog(self.workdir, "rl_metrics", append=bool(start))
+                logs.enter_context(metrics_log)
+            steps = tqdm(
+                range(start, rl.steps),
+                desc=f"rl {rl.method}",
+                initial=start,
+                total=rl.steps,
+                disable=not is_primary(),
+            )
+            for step in steps:
                 t0 = time.perf_counter()
                 batch = self.rollout_step(step)
                 t1 = time.perf_counter()
@@ -197,7 +220,8 @@ class RLLoop:
                     "time_guidance_write_s": t2 - t1 + write_wait,  # until committed
                     "time_train_s": t3 - t2 - write_wait - read,
                 }
-                history.append(metrics_log.write(step, row))
+                row = metrics_log.write(step, row) if metrics_log else {"step": step, **row}
+                history.append(row)
                 chunk_end = stop_after is not None and step + 1 - start >= stop_after
                 # The final policy and a chunk's last step are always saved: the interval alone
                 # skips them (steps 0..99 every 25 end at 75, and a resumed chunk would redo
@@ -208,6 +232,14 @@ class RLLoop:
                 if chunk_end:
                     break
         return history
+
+    def _discard_from(self, start: int) -> tuple[list, dict[str, int]]:
+        """Drops what an interrupted attempt left from step `start` on: its guidance entries
+        (the store refuses to overwrite committed ones) and its log rows (they would appear
+        twice); returns (the entries, log name -> rows dropped)."""
+        stale = self.store.discard_from(self.config.rl.run_id, start)
+        dropped = {n: drop_rows_from(self.workdir, n, start) for n in ("rl_metrics", "rl_eval")}
+        return stale, dropped
 
     def close(self) -> None:
         """Waits for checkpoint writes, the trainer's guidance work and pending guidance writes;

@@ -39,10 +39,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from trace_jax import data
+from trace_jax.distributed import (
+    barrier,
+    host_value,
+    is_primary,
+    process_rows,
+    read_rows,
+    rows_from_local,
+)
 from trace_jax.fp4 import Guidance, GuidanceMode
-from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
+from trace_jax.guidance import GuidanceStore
 from trace_jax.models import Qwen3MoE, init_model, resolve_implementation
 from trace_jax.models.hf_checkpoint import model_from_hf_tensors
 from trace_jax.models.hf_files import SafetensorsCheckpoint
@@ -51,8 +60,15 @@ from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.checkpoint import load_params
 from trace_jax.rl.config import make_optimizer
 from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.guidance_io import check_same_guidance, read_guidance
 from trace_jax.rl.methods import MethodSetup
-from trace_jax.rl.sharding import mesh_context, param_sharding_rule, place_batch, place_state
+from trace_jax.rl.sharding import (
+    batch_spec,
+    mesh_context,
+    param_sharding_rule,
+    place_batch,
+    place_state,
+)
 from trace_jax.rl.step import grpo_step, old_logprobs, site_mismatch
 from trace_jax.rollout import Rollout, SamplingConfig, generate
 
@@ -110,15 +126,21 @@ def initial_model(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Q
 def init_policy(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
     """The run's initial policy, placed on `mesh` (or committed to the first device): the
     orbax checkpoint `rl.init_from` when set (it wins over `model.hf_dir`: an SFT checkpoint of
-    that model holds the newer weights, so the Hugging Face ones are not read), else
-    `initial_model`."""
+    that model holds the newer weights, so the Hugging Face ones are not read), read straight
+    into that placement, else `initial_model`."""
     if config.rl.init_from:
         model = init_model(config.model, seed=config.seed)
+        place_state(model, mesh)  # the placement the checkpoint is read into
         load_params(model, config.rl.init_from)
-    else:
-        model = initial_model(config, mesh)
+        return model
+    model = initial_model(config, mesh)
     place_state(model, mesh)
     return model
+
+
+def batch_sharding(mesh: jax.sharding.Mesh | None) -> NamedSharding | None:
+    """Where a rollout batch's rows go (`sharding.batch_spec`); None without a mesh."""
+    return None if mesh is None else NamedSharding(mesh, batch_spec(mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,17 +200,21 @@ class RolloutWorker:
 
     def rollout(self, step: int, policy_version: int, *, reference: bool = False) -> RolloutBatch:
         """Samples step `step`'s batch (B = prompts_per_step x group_size rows) with the current
-        policy, whose version the caller states.
+        policy, whose version the caller states. Every process calls it; each builds the prompts
+        of the rows its devices hold, and the batch is one global array split along its rows
+        (`batch_sharding`).
 
         With `reference`, the rollout records full codes at every quantized site (the batch's
         `reference`, for mismatch statistics) and the method's guidance is derived from them
         (compact guidance = the codes' mantissa bits), so the run is the same either way.
         """
         problems = group_problems(self.config, step)
+        n, sharding = len(problems), batch_sharding(self.mesh)
+        # Each process encodes the rows its devices hold, of the same global batch.
         prompts, lengths = data.encode_prompts(
-            problems, pad_to=self.prompt_width, tokenizer=self.tokenizer
+            problems[process_rows(sharding, n)], pad_to=self.prompt_width, tokenizer=self.tokenizer
         )
-        prompts, lengths = place_batch((prompts, lengths), self.mesh, len(problems))
+        prompts, lengths = rows_from_local((prompts, lengths), sharding, n)
         setup = self.setup
         capture, capture_mode = setup.capture, setup.capture_mode
         if reference:
@@ -226,7 +252,9 @@ class RolloutWorker:
         """Rollout -> store: starts writing one entry per mini-batch, stamped with the batch's
         policy version, and returns their futures at once (none for a method without guidance).
         The trainer's background thread waits for each before reading its entry back, so the
-        writes run behind the reward scoring and the trainer's device work."""
+        writes run behind the reward scoring and the trainer's device work. On several
+        processes every process calls it (the store's writes of global arrays are collective:
+        each process writes the rows its devices hold, process 0 commits)."""
         if not self.setup.capture:
             return []
         parts = split_rollout(batch.rollout, self.config.rl.grpo.mini_batches)
@@ -240,34 +268,6 @@ class RolloutWorker:
             )
             for m, part in enumerate(parts)
         ]
-
-
-def read_guidance(
-    store: GuidanceStore,
-    run_id: str,
-    step: int,
-    micro_batch: int,
-    *,
-    mini_batches: int,
-    max_staleness: int,
-    write: concurrent.futures.Future | None = None,
-) -> tuple[dict[str, Guidance], dict[str, float]]:
-    """Store -> trainer: mini-batch `micro_batch`'s entry of `step`, read once `write` (this
-    process's pending write of it, if any) has committed, version-checked against the trainer's
-    version `step * mini_batches + micro_batch`. Returns (host guidance per site, seconds
-    {"write_wait": waiting for `write`, "read": reading}); raises the write's failure."""
-    w0 = time.perf_counter()
-    if write is not None:
-        write.result()
-    r0 = time.perf_counter()
-    guidance = store.read(
-        run_id,
-        step,
-        micro_batch=micro_batch,
-        expected_version=step * mini_batches + micro_batch,
-        max_staleness=max_staleness,
-    )
-    return guidance, {"write_wait": r0 - w0, "read": time.perf_counter() - r0}
 
 
 def mismatch_metrics(stats: dict[str, dict]) -> dict[str, float]:
@@ -287,34 +287,6 @@ def mismatch_metrics(stats: dict[str, dict]) -> dict[str, float]:
     if n_mis:  # undefined without mismatches (and NaN would litter the logs)
         out["one_apart_fraction"] = n_one / n_mis
     return out
-
-
-def check_same_guidance(read: dict[str, Guidance] | None, own: dict[str, Guidance], what: str):
-    """Raises GuidanceCorruptError unless the entry `read` back from the store holds exactly the
-    guidance `own` (site keys, formats, modes, shapes and the bytes of every leaf), `what` naming
-    the entry; `read` None (a fallback read) is no copy either."""
-    if read is None:
-        raise GuidanceCorruptError(f"{what}: read back as a round-to-nearest fallback")
-    if set(read) != set(own):
-        raise GuidanceCorruptError(f"{what}: holds sites {sorted(read)}, expected {sorted(own)}")
-    for site, g in own.items():
-        r = read[site]
-        for leaf in ("payload", "scales", "global_scale", "mask"):
-            a, b = getattr(g, leaf), getattr(r, leaf)
-            if (a is None) != (b is None) or (g.fmt, g.mode) != (r.fmt, r.mode):
-                raise GuidanceCorruptError(f"{what}: site {site!r} {leaf} differs in kind")
-            if a is None:
-                continue
-            a, b = np.asarray(a), np.asarray(b)
-            same = a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize
-            if not (same and np.array_equal(_bytes(a), _bytes(b))):
-                raise GuidanceCorruptError(
-                    f"{what}: site {site!r} {leaf} differs from the guidance trained on"
-                )
-
-
-def _bytes(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +323,7 @@ class Trainer:
         self.optimizer = nnx.Optimizer(
             model, make_optimizer(grpo, config.rl.steps * grpo.mini_batches), wrt=nnx.Param
         )
-        place_state(self.optimizer, mesh)
+        place_state(self.optimizer, mesh, model)
         # One thread: entries are read in mini-batch order, and a step's deletion follows them.
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-guidance")
         self._cleanup: concurrent.futures.Future | None = None
@@ -404,11 +376,18 @@ class Trainer:
                 )
                 for m, part in enumerate(parts)
             ]
-        responses = data.responses_from_rollout(roll.tokens, roll.prompt_lengths, roll.lengths)
-        rewards = data.compute_rewards(
-            problems, responses, tokenizer=self.tokenizer, verifier=self.verifier
+        # Each process scores the rows its devices hold; advantages normalize over whole groups
+        # of the global rewards (inside the jitted ops: groups may span processes).
+        n, sharding = len(problems), batch_sharding(self.mesh)
+        here = process_rows(sharding, n)
+        responses = data.responses_from_rollout(
+            *(read_rows(x, here) for x in (roll.tokens, roll.prompt_lengths, roll.lengths))
         )
-        adv = grpo_advantages(jnp.asarray(rewards), grpo.group_size)
+        rewards = data.compute_rewards(
+            problems[here], responses, tokenizer=self.tokenizer, verifier=self.verifier
+        )
+        rewards = rows_from_local(rewards, sharding, n)
+        adv = grpo_advantages(rewards, grpo.group_size)
         kw = dict(setup=setup, grpo=grpo, temperature=rl.temperature)
         mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}
         with mesh_context(self.mesh):
@@ -428,11 +407,15 @@ class Trainer:
                 ref = {
                     k: jax.tree.map(lambda a, r=rows: a[r], g) for k, g in batch.reference.items()
                 }
-                mismatch = mismatch_metrics(site_mismatch(self.model, part, ref, **kw))
+                stats = host_value(site_mismatch(self.model, part, ref, **kw))
+                mismatch = mismatch_metrics(stats)
             mb_metrics = [
                 grpo_step(self.model, self.optimizer, part, adv[rows], lp_old, **kw)
                 for rows, part, lp_old in mini_batches
             ]
+            response_tokens = jnp.sum(roll.response_mask, dtype=jnp.int32)
+        # Every process holds the same reduced metrics (the steps reduce over the global batch).
+        mb_metrics, response_tokens, rewards = host_value((mb_metrics, response_tokens, rewards))
         # Mini-batch metrics averaged (each is a mean over its own tokens / sequences).
         metrics = {k: float(np.mean([float(x[k]) for x in mb_metrics])) for k in mb_metrics[0]}
         if not np.isfinite(metrics["loss"]):
@@ -441,11 +424,13 @@ class Trainer:
             for entry in entries:
                 self._wait(entry, blocked)
         if setup.capture:
-            self._cleanup = self._io.submit(store.gc, rl.run_id, step)
-            self._cleanup.add_done_callback(_log_failure)
+            barrier(f"trainer read guidance of step {step}")  # before process 0 deletes it
+            if is_primary():
+                self._cleanup = self._io.submit(store.gc, rl.run_id, step)
+                self._cleanup.add_done_callback(_log_failure)
         metrics = {
             "reward": float(np.mean(rewards)),
-            "response_length": float(np.mean(np.asarray(roll.response_mask).sum(-1))),
+            "response_length": int(response_tokens) / n,
             **metrics,
             **mismatch,
         }
@@ -479,6 +464,7 @@ class Trainer:
             mini_batches=grpo.mini_batches,
             max_staleness=grpo.max_staleness,
             write=write,
+            sharding=batch_sharding(self.mesh),  # each process reads its own rows
         )
         if own is not None:
             check_same_guidance(guidance, own, f"guidance of step {step}, mini-batch {m}")
