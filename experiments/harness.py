@@ -44,9 +44,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
+from kernels_pallas import common as kernel_common
 from trace_jax import fp4
 from trace_jax.distributed import DistributedConfig, initialize
 from trace_jax.fp4 import PackedTensorCache
@@ -215,9 +216,21 @@ def run_app(run: Callable[..., Any], *, config: str, name: str) -> None:
 
     def main(argv):
         del argv
-        run(flags.FLAGS.config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
+        config = flags.FLAGS.config
+        with smoke_interpretation(config):
+            run(config, outdir=flags.FLAGS.outdir, name=flags.FLAGS.name)
 
     app.run(main)
+
+
+def smoke_interpretation(config: ml_collections.ConfigDict) -> contextlib.AbstractContextManager:
+    """Pallas interpretation for a smoke run (`config.smoke`) on a machine where Pallas does not
+    compile (no GPU or TPU): a smoke run checks the plumbing, so its kernels are interpreted, as
+    asked for here (elsewhere an explicit Pallas kernel raises). A no-op otherwise."""
+    if config.get("smoke", False) and kernel_common.native_lowering() is None:
+        logging.info("smoke run without a GPU or TPU: Pallas kernels interpreted")
+        return kernel_common.interpreting(True)
+    return contextlib.nullcontext()
 
 
 GPU_STATE_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")

@@ -84,7 +84,9 @@ def main(argv):
     config = flags.FLAGS.config
     if config.smoke:
         jax.config.update("jax_platforms", "cpu")
-    for name, err in launch_all(config).items():
+    with harness.smoke_interpretation(config):
+        errors = launch_all(config)
+    for name, err in errors.items():
         print(f"{name}: max relative error vs XLA reference {err:.2e}")
 
 

@@ -521,7 +521,8 @@ def main(argv):
     if f.plot_from:
         print(f"wrote {plot_from(f.plot_from)}")
         return
-    run(f.config, outdir=f.outdir, name=f.name)
+    with harness.smoke_interpretation(f.config):
+        run(f.config, outdir=f.outdir, name=f.name)
 
 
 def define_flags() -> None:

@@ -59,3 +59,19 @@ def test_refusals_of_settings_exit_with_their_message_and_others_propagate():
         raise WorkdirConfigError("/w", "rl", {"rl.method": ("trace", "bf16")})
     with pytest.raises(KeyError), harness.refusals_exit():  # a bug keeps its traceback
         raise KeyError("x")
+
+
+def test_smoke_runs_interpret_pallas_only_where_it_cannot_compile():
+    from ml_collections import ConfigDict
+
+    from kernels_pallas import common
+
+    with common.lowering_for("cpu"):
+        with harness.smoke_interpretation(ConfigDict({"smoke": True})):
+            assert common.pallas_target().interpreted
+        with harness.smoke_interpretation(ConfigDict({"smoke": False})):
+            with pytest.raises(common.PallasUnavailableError, match="cpu"):
+                common.pallas_target()
+    with common.lowering_for("gpu"):  # a smoke run on a GPU compiles its kernels
+        with harness.smoke_interpretation(ConfigDict({"smoke": True})):
+            assert not common.pallas_target().interpreted
