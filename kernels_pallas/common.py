@@ -30,6 +30,7 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from trace_jax.fp4 import BlockFormat, ElementType, ScaleType, numerics
 from trace_jax.fp4.scales import scale_bits_to_float32
@@ -229,6 +232,39 @@ def run_first[T](order: Sequence, runners: Mapping[Any, Callable[[], T]]) -> tup
             if i == len(order) - 1:
                 raise
     raise ValueError("implementation order is empty")
+
+
+def per_device[T](fn: Callable[..., T], *args, split_leading: bool = False) -> T:
+    """`fn(*args)`, a Mosaic kernel call (pytrees of arrays in and out), once per device of the
+    context mesh (`jax.set_mesh`) by `jax.shard_map` over its axes not manual yet; `fn(*args)`
+    itself without a mesh of more than one device.
+
+    GSPMD cannot partition a Mosaic custom call (jax's lowering raises "Mosaic kernels cannot be
+    automatically partitioned"), so on a mesh every Mosaic kernel runs inside a shard_map.
+    split_leading: every array of `args` has a leading axis of independent rows (a batch) of
+      one size, split over the mesh axes whose sizes' product divides it (outermost first), the
+      outputs' leading axis too; False: each device runs the whole op on gathered operands
+      (grouped matmuls, whose groups span all rows).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    axes = [a for a, kind in kinds.items() if kind != AxisType.Manual]
+    if math.prod(mesh.shape[a] for a in axes) <= 1:
+        return fn(*args)
+    split, size = [], 1
+    if split_leading:
+        leads = {a.shape[0] if a.ndim else None for a in jax.tree.leaves(args)}
+        if len(leads) != 1 or None in leads:
+            raise ValueError(f"split_leading needs one leading axis size, got sizes {leads}")
+        (lead,) = leads
+        for a in axes:
+            if mesh.shape[a] > 1 and lead % (size * mesh.shape[a]) == 0:
+                split.append(a)
+                size *= mesh.shape[a]
+    spec = P(tuple(split)) if split else P()
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=frozenset(axes), check_vma=False
+    )(*args)
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2) -> pl_triton.CompilerParams:

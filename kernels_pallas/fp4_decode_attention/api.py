@@ -342,15 +342,19 @@ def fp4_decode_attention(
     def run_mosaic():
         from kernels_pallas.fp4_decode_attention.mosaic import fp4_decode_attention_mosaic
 
-        return fp4_decode_attention_mosaic(
-            q,
-            k_cache,
-            v_cache,
-            lengths,
-            block_s=plan.config.block_s,
-            k_splits=plan.k_splits,
-            interpret=plan.interpret,
-        )
+        def attend(q, k_cache, v_cache, lengths):
+            return fp4_decode_attention_mosaic(
+                q,
+                k_cache,
+                v_cache,
+                lengths,
+                block_s=plan.config.block_s,
+                k_splits=plan.k_splits,
+                interpret=plan.interpret,
+            )
+
+        # Sequences are independent: a mesh splits them over its devices.
+        return common.per_device(attend, q, k_cache, v_cache, lengths, split_leading=True)
 
     runners = {
         Implementation.PALLAS: run_mosaic,

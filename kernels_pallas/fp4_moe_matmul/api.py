@@ -140,9 +140,13 @@ def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
         from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
 
         tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None}
-        return fp4_moe_matmul_mosaic(
-            lhs, rhs, group_sizes, **tiles, interpret=target.interpret, out_dtype=out_dtype
-        )
+
+        def matmul(lhs, rhs, group_sizes):
+            return fp4_moe_matmul_mosaic(
+                lhs, rhs, group_sizes, **tiles, interpret=target.interpret, out_dtype=out_dtype
+            )
+
+        return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
     config = block_config(lhs, rhs, **tiling)
     return fp4_moe_matmul_pallas(
         lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype

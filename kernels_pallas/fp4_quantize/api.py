@@ -140,8 +140,17 @@ def fp4_quantize_with_implementation(
         pack=pack,
         interpret=interpret,
     )
+
+    def run_pallas():
+        def quantize(x, guidance):
+            return _quantize_pallas(x, fmt, guidance, **launch)
+
+        if common.pallas_target(interpret).lowering is Lowering.MOSAIC:  # rows: independent
+            return common.per_device(quantize, x, guidance, split_leading=x.ndim > 1)
+        return quantize(x, guidance)
+
     runners = {
-        Implementation.PALLAS: lambda: _quantize_pallas(x, fmt, guidance, **launch),
+        Implementation.PALLAS: run_pallas,
         Implementation.XLA: lambda: quantize_capture_reference(x, fmt, guidance=guidance),
     }
     return common.run_first(order, runners)

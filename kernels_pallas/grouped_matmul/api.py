@@ -157,9 +157,18 @@ def grouped_matmul_with_implementation(
             tiles = megablox_tiling(
                 m, k, n, lhs.dtype, block_m=block_m, block_n=block_n, block_k=block_k
             )
-            return grouped_matmul_megablox(
-                lhs, rhs, group_sizes, tiling=tiles, interpret=target.interpret, out_dtype=out_dtype
-            )
+
+            def matmul(lhs, rhs, group_sizes):
+                return grouped_matmul_megablox(
+                    lhs,
+                    rhs,
+                    group_sizes,
+                    tiling=tiles,
+                    interpret=target.interpret,
+                    out_dtype=out_dtype,
+                )
+
+            return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
         config = block_config(m, g, k, n, dtype=lhs.dtype, **tiling)
         return grouped_matmul_pallas(
             lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype
