@@ -231,31 +231,22 @@ def _quantize_pallas(
     s_g = None
     if block_n is not None and fmt.has_global_scale:  # the kernel sees only part of a row
         s_g = global_scale(flat(x, n).astype(jnp.float32), fmt, (1,))
-    if mosaic:
-        from kernels_pallas.fp4_quantize.mosaic import quantize_capture_mosaic
+    if mosaic:  # whole rows only (checked above)
+        from kernels_pallas.fp4_quantize.mosaic import quantize_capture_mosaic as capture
 
-        packed, bits, cbits, *gsc = quantize_capture_mosaic(
-            flat(x, n),
-            fmt,
-            guide=guide,
-            guide_mode=mode,
-            block_r=block_r,
-            interpret=target.interpret,
-        )
+        launch = {}
     else:
-        packed, bits, cbits, *gsc = quantize_capture_pallas(
-            flat(x, n),
-            fmt,
-            guide=guide,
-            guide_mode=mode,
-            block_r=block_r,
-            interpret=target.interpret,
-            num_warps=num_warps,
-            block_n=block_n,
-            s_g=s_g,
-            loop_n=loop_n,
-            pack=pack,
-        )
+        capture = quantize_capture_pallas
+        launch = dict(num_warps=num_warps, block_n=block_n, s_g=s_g, loop_n=loop_n, pack=pack)
+    packed, bits, cbits, *gsc = capture(
+        flat(x, n),
+        fmt,
+        guide=guide,
+        guide_mode=mode,
+        block_r=block_r,
+        interpret=target.interpret,
+        **launch,
+    )
     # With column tiles the global scale is the one the kernel was given (guided: the rollout's,
     # except on rows whose own is NaN, as in `quantize_core`).
     if gsc:
