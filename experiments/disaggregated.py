@@ -1,15 +1,18 @@
-r"""Rollout and training as separate processes, linked only by files in a shared workdir.
+r"""Rollout and training as separate processes, linked only by an exchange location.
 
   python -m experiments.disaggregated --config=configs/tiny_cpu.py --workdir=/tmp/trace_dis \
       --role=both            # or run --role=rollout and --role=trainer in two shells / hosts
   ... --config.disaggregated.lag=1   # the rollout of step t + 1 overlaps training step t
+  ... --role=trainer --config.disaggregated.exchange=s3://bucket/run1/ \
+      --config.disaggregated.exchange_s3_endpoint=http://minio:9000   # hosts without a shared disk
 
-`trace_jax.rl.disaggregated` describes the handshake (policy checkpoints, rollout files, the
-guidance store) and what each process writes. `--role=both` starts the two roles as child
-processes of this one, with the same flags. The two watch each other's heartbeat: when one
-dies, the other exits within `disaggregated.heartbeat_timeout_s` (10 s) naming it. The runner
-does not resume: a workdir where a role ran before is refused up front, unless `--fresh`
-(with `--role=both`) moves it aside first.
+`trace_jax.rl.disaggregated` describes the handshake (policy versions, rollout batches, the
+guidance store, all in the exchange: the workdir unless `disaggregated.exchange` names a kvstore
+URL) and what each process writes; each keeps its log in its own `--workdir`. `--role=both`
+starts the two roles as child processes of this one, with the same flags. The two watch each
+other's heartbeat: when one dies, the other exits within `disaggregated.heartbeat_timeout_s`
+(10 s) naming it. The runner does not resume: a workdir or exchange where a role ran before is
+refused up front; `--fresh` (with `--role=both`) moves the workdir aside first.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from trace_jax.rl.disaggregated import (
     PartnerGoneError,
     WorkdirReusedError,
     refuse_reused_workdir,
+    run_exchange,
     run_rollout,
     run_trainer,
 )
+from trace_jax.rl.exchange import Exchange
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.workdir import move_aside
@@ -45,13 +50,15 @@ def role_commands(argv: Sequence[str]) -> list[list[str]]:
     return [[*cmd, f"--role={role}"] for role in ROLES]
 
 
-def run_both(argv: Sequence[str], workdir: str, *, fresh: bool = False) -> None:
+def run_both(
+    argv: Sequence[str], workdir: str, *, fresh: bool = False, exchange: Exchange | None = None
+) -> None:
     """Starts the two roles as child processes (`role_commands`) and waits for both, after
-    refusing a workdir where either ran before (or moving it aside when `fresh`): before two
-    processes spend their start-up on it."""
+    refusing a workdir or `exchange` (None: the workdir) where either ran before (or moving the
+    workdir aside when `fresh`): before two processes spend their start-up on it."""
     if fresh:
         move_aside(workdir)
-    refuse_reused_workdir(workdir)
+    refuse_reused_workdir(workdir, exchange=exchange)
     procs = [subprocess.Popen(cmd) for cmd in role_commands(argv)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -71,7 +78,8 @@ def main(argv):
         with harness.refusals_exit():
             config = ExperimentConfig.from_config_dict(f.config)  # refuses bad settings
             if f.role == "both":
-                run_both(sys.argv, f.workdir, fresh=f.fresh)
+                exchange = run_exchange(config, f.workdir)
+                run_both(sys.argv, f.workdir, fresh=f.fresh, exchange=exchange)
             else:
                 RUNNERS[f.role](config, f.workdir)
     except (WorkdirReusedError, PartnerGoneError) as e:  # the message says it all
@@ -81,7 +89,9 @@ def main(argv):
 def define_flags() -> None:
     harness.define_config_flag("tiny_cpu")
     harness.define_fresh_flag()
-    flags.DEFINE_string("workdir", "workdir/disaggregated", "shared by the two processes")
+    flags.DEFINE_string(
+        "workdir", "workdir/disaggregated", "this process's logs (and the exchange by default)"
+    )
     flags.DEFINE_enum("role", "both", ["rollout", "trainer", "both"], "which process this is")
     flags.DEFINE_bool("verbose", False, "show third-party INFO logging (orbax, absl)")
 

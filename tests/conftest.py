@@ -71,6 +71,20 @@ def pallas_interpreted_on_cpu():
         yield
 
 
+@pytest.fixture(scope="module")
+def s3_server():
+    """A local S3-compatible server (`tests.s3_server.LocalS3`) for the module, with the keys
+    tensorstore signs with in the environment."""
+    from tests.s3_server import LocalS3
+
+    server = LocalS3()
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in server.env.items():
+            mp.setenv(name, value)
+        yield server
+    server.stop()
+
+
 # Every compiled XLA:CPU executable keeps ~10-100 memory mappings (its JIT-linked code and data)
 # for as long as a jit cache holds it, and a worker runs ~500 tests: past Linux's default
 # vm.max_map_count (65530) the next compile or cache load dies with SIGSEGV inside LLVM. So a

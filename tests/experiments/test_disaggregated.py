@@ -13,11 +13,13 @@ import pytest
 
 from experiments import disaggregated
 from trace_jax.rl.disaggregated import WorkdirReusedError, heartbeat_path, read_heartbeat
+from trace_jax.rl.exchange import Exchange
 
 STAND_IN_TRAINER = """
 import sys, time
 from trace_jax.rl.disaggregated import Heartbeat
-beat = Heartbeat(sys.argv[1], "trainer", interval_s=0.2)
+from trace_jax.rl.exchange import Exchange
+beat = Heartbeat(Exchange.at(sys.argv[1]), "trainer", interval_s=0.2)
 beat.step = 0
 with beat:
     time.sleep(600)
@@ -68,7 +70,7 @@ def test_killed_trainer_stops_the_rollout_within_seconds(tmp_path):
     assert rollout.returncode != 0 and took < 15, (took, err)
     assert f"error (rollout): the trainer (pid {trainer.pid} on " in err, err
     assert "is gone" in err and "last seen at step 0" in err and "policy version 0" in err, err
-    beat = read_heartbeat(heartbeat_path(workdir, "rollout"))
+    beat = read_heartbeat(Exchange.at(workdir), "rollout")
     assert beat["exit"] == "failed" and "PartnerGoneError" in beat["error"]
 
 

@@ -23,17 +23,3 @@ def rollout_guidance() -> dict[str, Guidance]:
         "3/expert_mid": capture(x_act, mask[..., 0], fmt="mxfp4", mode="full"),
         "4/expert_in": capture(x_act, fmt="mxfp8", mode="full"),
     }
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """A local S3-compatible server (`tests.s3_server.LocalS3`) for the module, with the keys
-    tensorstore signs with in the environment."""
-    from tests.s3_server import LocalS3
-
-    server = LocalS3()
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in server.env.items():
-            mp.setenv(name, value)
-        yield server
-    server.stop()

@@ -1,15 +1,17 @@
-"""Rollout and trainer linked only by the workdir (policy checkpoints, rollout batches, the
-guidance store) reproduce the single-process loop; a lagging rollout trains stale guidance
-within max_staleness. The two sides run as two threads here: they share nothing but files, as
-two processes would (`experiments/disaggregated.py` starts them as processes). Each watches the
-other's heartbeat and gives up waiting as soon as it is stale or says it exited; a workdir
-where a role ran is refused up front."""
+"""Rollout and trainer linked only by the exchange, here the workdir (policy versions, rollout
+batches, the guidance store), reproduce the single-process loop; a lagging rollout trains stale
+guidance within max_staleness. The two sides run as two threads here: they share nothing but
+the exchange, as two processes would (`experiments/disaggregated.py` starts them as processes).
+Each watches the other's heartbeat and gives up waiting as soon as it is stale or says it
+exited; a workdir where a role ran is refused up front. `test_disaggregated_s3.py` runs the
+pair over S3 against the same single-process reference (`single_process_history`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import os
+import tempfile
 import threading
 import time
 import types
@@ -35,43 +37,69 @@ from trace_jax.rl.disaggregated import (
     save_rollout,
     wait_for,
 )
+from trace_jax.rl.exchange import Exchange, ExchangeExistsError
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.workers import RolloutBatch, RolloutWorker, init_policy
 
+# One pytest-xdist worker runs the tests that compare with the single-process reference.
+REFERENCE_GROUP = pytest.mark.xdist_group("disaggregated_reference")
 
-def _config(lag: int = 0, **rl) -> ExperimentConfig:
+
+def config_dict(lag: int = 0, **rl):
     """`loop_config_dict`'s runs (the loop tests' shapes) without evaluation, the rollout
     process at most `lag` steps ahead."""
     cd = loop_config_dict(**{"eval_every": 0, **rl})
     cd.disaggregated.update(lag=lag, timeout_s=120.0)
-    return ExperimentConfig.from_config_dict(cd)
+    return cd
 
 
-def _run_both(config: ExperimentConfig, workdir: str) -> tuple[list[dict], list[dict]]:
+def _config(lag: int = 0, **rl) -> ExperimentConfig:
+    return ExperimentConfig.from_config_dict(config_dict(lag, **rl))
+
+
+@functools.cache
+def single_process_history() -> tuple[dict, ...]:
+    """`RLLoop`'s metric rows on `_config()`: what a lag-0 pair must reproduce (computed once
+    per test process)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        return tuple(RLLoop(_config(), workdir).run())
+
+
+def assert_reproduces_single_process(trainer: list[dict], rollout: list[dict]) -> None:
+    assert [r["step"] for r in trainer] == [0, 1, 2]
+    assert [r["policy_version"] for r in rollout] == [0, 1, 2]
+    for a, b in zip(single_process_history(), trainer, strict=True):
+        for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
+        assert b["guidance_rtn_fallback_rows"] == 0 and b["max_staleness_used"] == 0
+
+
+def run_pair(
+    config: ExperimentConfig, trainer_workdir: str, rollout_workdir: str | None = None
+) -> tuple[list[dict], list[dict]]:
+    """(trainer rows, rollout rows) of the two sides run as two threads."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        trainer = pool.submit(run_trainer, config, workdir)
-        rollout = pool.submit(run_rollout, config, workdir)
+        trainer = pool.submit(run_trainer, config, trainer_workdir)
+        rollout = pool.submit(run_rollout, config, rollout_workdir or trainer_workdir)
         concurrent.futures.wait([trainer, rollout], return_when="FIRST_EXCEPTION")
         return trainer.result(), rollout.result()
 
 
+@REFERENCE_GROUP
 def test_two_sides_reproduce_the_single_process_loop(tmp_path):
-    trainer, rollout = _run_both(_config(), str(tmp_path / "dis"))
-    single = RLLoop(_config(), str(tmp_path / "one")).run()
-    assert [r["step"] for r in trainer] == [0, 1, 2]
-    assert [r["policy_version"] for r in rollout] == [0, 1, 2]
-    for a, b in zip(single, trainer, strict=True):
-        for k in ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_length"):
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=k)
-        assert b["guidance_rtn_fallback_rows"] == 0 and b["max_staleness_used"] == 0
-    # Every rollout batch was consumed and every guidance entry garbage-collected.
+    trainer, rollout = run_pair(_config(), str(tmp_path / "dis"))
+    assert_reproduces_single_process(trainer, rollout)
+    # Every rollout batch was consumed and every guidance entry garbage-collected; the newest
+    # lag + 2 policy versions are kept.
     assert not os.listdir(tmp_path / "dis" / "rollouts")
+    assert sorted(os.listdir(tmp_path / "dis" / "policy")) == ["2", "3"]
     store_config = GuidanceStoreConfig(kvstore=str(tmp_path / "dis" / "guidance"))
     with GuidanceStore(store_config) as store:
         assert store.entries(_config().rl.run_id) == []
+    exchange = Exchange.at(str(tmp_path / "dis"))
     for role in ("trainer", "rollout"):
-        beat = read_heartbeat(str(tmp_path / "dis" / "heartbeats" / f"{role}.json"))
+        beat = read_heartbeat(exchange, role)
         assert (beat["role"], beat["step"], beat["exit"]) == (role, 2, "finished")
         # A rerun is refused before any work (nothing here resumes).
         runner = run_trainer if role == "trainer" else run_rollout
@@ -80,7 +108,7 @@ def test_two_sides_reproduce_the_single_process_loop(tmp_path):
 
 
 def test_lagging_rollout_trains_stale_guidance(tmp_path):
-    trainer, rollout = _run_both(_config(lag=1), str(tmp_path / "lag"))
+    trainer, rollout = run_pair(_config(lag=1), str(tmp_path / "lag"))
     assert [r["policy_version"] for r in rollout] == [0, 0, 1]
     assert [r["rollout_policy_version"] for r in trainer] == [0, 0, 1]
     assert [r["max_staleness_used"] for r in trainer] == [0, 1, 1]
@@ -88,20 +116,25 @@ def test_lagging_rollout_trains_stale_guidance(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in trainer)
 
 
-def test_rollout_files_round_trip(tmp_path):
+def test_rollout_batches_round_trip(tmp_path):
     config = _config()
     worker = RolloutWorker(config, init_policy(config, None), config.method_setup())
     batch = worker.rollout(1, policy_version=7)
-    path = str(tmp_path / "r.npz")
-    save_rollout(path, batch)
-    back = load_rollout(path)
+    exchange = Exchange.at(str(tmp_path))
+    save_rollout(exchange, batch)
+    back = load_rollout(exchange, 1)
     assert (back.step, back.policy_version) == (1, 7)
     assert back.rollout.guidance == {} and back.reference is None
     for k in ("tokens", "prompt_lengths", "lengths", "logprobs", "response_mask", "expert_choices"):
-        np.testing.assert_array_equal(
-            np.asarray(getattr(back.rollout, k)), np.asarray(getattr(batch.rollout, k))
-        )
-    assert not [p for p in os.listdir(tmp_path) if p != "r.npz"]  # no temporary file left
+        got, sent = getattr(back.rollout, k), getattr(batch.rollout, k)
+        assert got.dtype == sent.dtype, k
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(sent))
+    (data,) = [p for p in os.listdir(tmp_path / "rollouts" / "1") if p != "manifest.json"]
+    assert len(os.listdir(tmp_path / "rollouts" / "1" / data)) == 6  # one object per array
+    with pytest.raises(ExchangeExistsError, match=r"rollouts/1/ holds a committed bundle"):
+        save_rollout(exchange, batch)
+    exchange.delete("rollouts/1/")
+    assert not os.listdir(tmp_path / "rollouts")
 
 
 def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeypatch):
@@ -136,24 +169,24 @@ def test_rollout_batch_is_published_after_its_guidance_commits(tmp_path, monkeyp
     monkeypatch.setattr(
         disaggregated,
         "save_rollout",
-        lambda path, b: published.append((os.path.basename(path), store.entries(config.rl.run_id))),
+        lambda exchange, b: published.append((b.step, store.entries(config.rl.run_id))),
     )
     with store:
-        disaggregated.publish_rollout(store, worker, RolloutBatch(5, 10, roll), str(tmp_path))
-    assert published == [("5.npz", [(5, 0), (5, 1)])]  # both entries committed before the batch
+        disaggregated.publish_rollout(store, worker, RolloutBatch(5, 10, roll), exchange=None)
+    assert published == [(5, [(5, 0), (5, 1)])]  # both entries committed before the batch
 
 
 def test_wait_for_gives_up_soon_after_the_partner_heartbeat_stops(tmp_path):
     """A trainer that beat once (a process killed after that) is reported gone after the
     heartbeat timeout, not after wait_for's own timeout."""
-    beat = Heartbeat(str(tmp_path), "trainer")
+    exchange = Exchange.at(str(tmp_path))
+    beat = Heartbeat(exchange, "trainer")
     beat.step = 3
-    os.makedirs(os.path.dirname(beat.path))
     beat.write()  # no beating thread: it stops here
-    watch = PartnerWatch(str(tmp_path), "trainer", timeout_s=0.5)
+    watch = PartnerWatch(exchange, "trainer", timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(PartnerGoneError) as info:
-        wait_for(str(tmp_path / "policy" / "1"), "policy version 1", 60.0, partner=watch)
+        wait_for(exchange, "policy/1/manifest.json", "policy version 1", 60.0, partner=watch)
     assert 0.4 < time.monotonic() - t0 < 5
     message = str(info.value)
     assert f"the trainer (pid {os.getpid()}" in message and "last seen at step 3" in message
@@ -161,18 +194,19 @@ def test_wait_for_gives_up_soon_after_the_partner_heartbeat_stops(tmp_path):
 
 
 def test_a_beating_partner_is_waited_for_and_its_failure_reported_at_once(tmp_path):
-    target = tmp_path / "rollouts" / "0.npz"
-    watch = PartnerWatch(str(tmp_path), "rollout", timeout_s=0.3)
-    with pytest.raises(RuntimeError, match="boom"), Heartbeat(str(tmp_path), "rollout", 0.05) as b:
+    exchange = Exchange.at(str(tmp_path))
+    target = "rollouts/0/manifest.json"
+    watch = PartnerWatch(exchange, "rollout", timeout_s=0.3)
+    with pytest.raises(RuntimeError, match="boom"), Heartbeat(exchange, "rollout", 0.05) as b:
         b.step = 4
-        # Alive for longer than the heartbeat timeout: wait_for keeps waiting for its file.
-        threading.Timer(1.0, lambda: (os.makedirs(target.parent), target.touch())).start()
-        wait_for(str(target), "rollout batch", 60.0, partner=watch)
+        # Alive for longer than the heartbeat timeout: wait_for keeps waiting for its object.
+        threading.Timer(1.0, lambda: exchange.write_json(target, {})).start()
+        wait_for(exchange, target, "rollout batch", 60.0, partner=watch)
         raise RuntimeError("boom")
     t0 = time.monotonic()
     gone = r"the rollout .* failed at step 4, .*RuntimeError: boom"
     with pytest.raises(PartnerGoneError, match=gone):
-        wait_for(str(tmp_path / "rollouts" / "1.npz"), "rollout batch", 60.0, partner=watch)
+        wait_for(exchange, "rollouts/1/manifest.json", "rollout batch", 60.0, partner=watch)
     assert time.monotonic() - t0 < 0.3  # the exit marker is read at once
 
 
@@ -182,3 +216,19 @@ def test_reused_workdir_is_refused_per_role(tmp_path):
     refuse_reused_workdir(str(tmp_path), ("trainer",))
     with pytest.raises(WorkdirReusedError, match=r"earlier rollout run .*rollout_log\.jsonl"):
         refuse_reused_workdir(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("exchange", "endpoint", "message"),
+    [
+        ("ftp://host/x/", "", r"disaggregated\.exchange.*the scheme must be one of"),
+        ("s3://Bad_Bucket/x/", "", r"disaggregated\.exchange.*not a valid s3:// bucket"),
+        ("", "http://127.0.0.1:9000", r"exchange_s3_endpoint.*apply to an 's3://' exchange"),
+        ("s3://bucket/x/", "ftp://host", r"exchange_s3_endpoint.*'http\(s\)://host\[:port\]'"),
+    ],
+)
+def test_bad_exchange_settings_are_refused_when_the_config_is_built(exchange, endpoint, message):
+    cd = config_dict()
+    cd.disaggregated.update(exchange=exchange, exchange_s3_endpoint=endpoint)
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig.from_config_dict(cd)

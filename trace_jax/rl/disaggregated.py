@@ -1,38 +1,41 @@
-"""Rollout and trainer as separate processes, linked only by files in a shared workdir.
+"""Rollout and trainer as separate processes, linked only by an exchange location.
 
   run_trainer(config, workdir)   # in one process (or host)
   run_rollout(config, workdir)   # in another
 
-The paper's disaggregated setting: the rollout engine and the trainer never share memory.
-  * policy: the trainer publishes version v (= optimizer steps so far) as an orbax checkpoint
-    `policy/<v>`; the rollout process of step t waits for version `(t - lag) * M` (M mini-batches
-    per step, `lag` = `config.disaggregated.lag`) and loads it. That handshake is the only way
-    parameters travel.
-  * rollout batch: the rollout process writes `rollouts/<t>.npz` (tokens, lengths, log-probs,
-    masks, expert choices, the version that sampled it) atomically (temp file + rename), once
-    every guidance entry of the step is committed.
-  * guidance: the rollout process writes each mini-batch's guidance to the tensorstore guidance
-    store stamped with its policy version; the trainer reads mini-batch m at its own version
-    `t * M + m`, and the store refuses anything more than `max_staleness` versions older.
+The paper's disaggregated setting: the rollout engine and the trainer never share memory, nor
+need a shared disk. Everything they pass goes through the exchange (`trace_jax.rl.exchange`):
+`config.disaggregated.exchange`, a kvstore URL ("s3://bucket/prefix/" with the
+`disaggregated.exchange_s3_*` settings, "gs://bucket/prefix/", "file:///dir/") or a directory;
+"" is the workdir, which the two processes then share.
+  * policy: the trainer publishes version v (= optimizer steps so far) as a bundle `policy/<v>/`
+    (one object per parameter, crc32 each); the rollout process of step t waits for version
+    `(t - lag) * M` (M mini-batches per step, `lag` = `config.disaggregated.lag`) and loads it,
+    verified. That handshake is the only way parameters travel; the newest `lag + 2` are kept.
+  * rollout batch: the rollout process commits the bundle `rollouts/<t>/` (tokens, lengths,
+    log-probs, masks, expert choices, the version that sampled it), once every guidance entry of
+    the step is committed; the trainer deletes it once trained.
+  * guidance: the rollout process writes each mini-batch's guidance to the guidance store under
+    `guidance/`, stamped with its policy version; the trainer reads mini-batch m at its own
+    version `t * M + m`, and the store refuses anything more than `max_staleness` versions older.
 With lag = 1 the rollout of step t + 1 runs while the trainer trains step t (one step of
 staleness; `ExperimentConfig` checks `lag * M + M - 1 <= max_staleness`). With lag = 0 the two
-processes reproduce `RLLoop` exactly (same seeds, same batches, same updates). Writes
-`rl_metrics.jsonl` (trainer) and `rollout_log.jsonl` (rollout).
+processes reproduce `RLLoop` exactly (same seeds, same batches, same updates). Each writes its
+own log into its own workdir: `rl_metrics.jsonl` (trainer), `rollout_log.jsonl` (rollout).
 
-The two watch each other: each writes a heartbeat `heartbeats/<role>.json` (pid, host, role,
-step, time) every second and, when it ends, an exit marker in the same file. A process waiting
-for the other's next file exits with `PartnerGoneError` (naming the partner, its last step and
-how long ago it was seen) once the partner's heartbeat is unchanged for
-`config.disaggregated.heartbeat_timeout_s` or says it exited, instead of waiting `timeout_s`.
+The two watch each other: each writes a heartbeat record `heartbeats/<role>.json` (pid, host,
+role, step, time) into the exchange every second and, when it ends, an exit marker in the same
+record. A process waiting for the other's next object exits with `PartnerGoneError` (naming the
+partner, its last step and how long ago it was seen) once the partner's heartbeat is unchanged
+for `config.disaggregated.heartbeat_timeout_s` or says it exited, instead of waiting `timeout_s`.
 
-A run starts from a fresh workdir: the trainer keeps no optimizer state, so nothing here can
-resume (`RLLoop` is the resumable single-process loop); each process refuses, before any work, a
-workdir where its role ran before (`refuse_reused_workdir`).
+A run starts afresh: the trainer keeps no optimizer state, so nothing here can resume (`RLLoop`
+is the resumable single-process loop); each process refuses, before any work, a workdir where
+its role logged or an exchange where its role beat before (`refuse_reused_workdir`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -40,12 +43,12 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
-from trace_jax.rl.checkpoint import restore_step, save_step
+from trace_jax.guidance import GuidanceStore
+from trace_jax.rl.exchange import Exchange, ExchangeCorruptError, ExchangeError, manifest_key
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
 from trace_jax.rl.sharding import experiment_mesh
@@ -62,44 +65,60 @@ HEARTBEATS = "heartbeats"
 log = logging.getLogger(__name__)
 
 
-def _paths(workdir: str) -> dict[str, str]:
-    workdir = os.path.abspath(workdir)
-    return {name: os.path.join(workdir, name) for name in ("policy", "rollouts", "guidance")}
-
-
 class PartnerGoneError(RuntimeError):
     """The other process of a disaggregated run stopped: its heartbeat went stale or it
     exited."""
 
 
 class WorkdirReusedError(FileExistsError):
-    """The workdir holds an earlier run of a role (`refuse_reused_workdir`)."""
+    """The workdir or the exchange holds an earlier run of a role (`refuse_reused_workdir`)."""
+
+
+def run_exchange(config: ExperimentConfig, workdir: str) -> Exchange:
+    """The exchange of a run: `config.disaggregated.exchange`, or `workdir` when ""."""
+    d = config.disaggregated
+    return Exchange.at(
+        d.exchange or os.path.abspath(workdir),
+        s3_endpoint=d.exchange_s3_endpoint,
+        s3_region=d.exchange_s3_region,
+        s3_credentials=d.exchange_s3_credentials,
+    )
+
+
+def rollout_prefix(step: int) -> str:
+    return f"rollouts/{step}/"
+
+
+def policy_prefix(version: int) -> str:
+    return f"policy/{version}/"
+
+
+def heartbeat_key(role: str) -> str:
+    return f"{HEARTBEATS}/{role}.json"
 
 
 def heartbeat_path(workdir: str, role: str) -> str:
-    return os.path.join(os.path.abspath(workdir), HEARTBEATS, f"{role}.json")
+    """The file of `role`'s heartbeat when the exchange is the workdir."""
+    return os.path.join(os.path.abspath(workdir), heartbeat_key(role))
 
 
-def read_heartbeat(path: str) -> dict | None:
-    """The record at `path` (None if there is none yet)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+def read_heartbeat(exchange: Exchange, role: str) -> dict | None:
+    """`role`'s heartbeat record (None if there is none yet)."""
+    return exchange.read_json(heartbeat_key(role))
 
 
 class Heartbeat:
     """This process's sign of life for its partner, as a context manager.
 
-    `heartbeat_path(workdir, role)` holds `{"pid", "host", "role", "step", "time"}`, rewritten
-    atomically every `interval_s` by a daemon thread (so a killed process stops beating); on
-    exit the record gets `"exit": "finished"` or `"exit": "failed"` and `"error"`. The loop
+    The record `heartbeat_key(role)` of `exchange` holds `{"pid", "host", "role", "step",
+    "time"}`, rewritten every `interval_s` by a daemon thread (so a killed process stops
+    beating); on exit it gets `"exit": "finished"` or `"exit": "failed"` and `"error"`. The loop
     sets `step` as it goes.
     """
 
-    def __init__(self, workdir: str, role: str, interval_s: float = 1.0):
-        self.path, self.role, self.interval_s = heartbeat_path(workdir, role), role, interval_s
+    def __init__(self, exchange: Exchange, role: str, interval_s: float = 1.0):
+        self.exchange, self.role, self.interval_s = exchange, role, interval_s
+        self.key = heartbeat_key(role)
         self.step: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{role}", daemon=True)
@@ -113,20 +132,16 @@ class Heartbeat:
             "time": time.time(),
             **extra,
         }
-        tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.path)
+        self.exchange.write_json(self.key, record)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.write()
-            except OSError as e:  # a missed beat; the partner gives up only after several
-                log.warning("heartbeat %s not written: %s", self.path, e)
+            except ExchangeError as e:  # a missed beat; the partner gives up only after several
+                log.warning("heartbeat %s not written: %s", self.exchange.where(self.key), e)
 
     def __enter__(self) -> Heartbeat:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.write()
         self._thread.start()
         return self
@@ -141,29 +156,30 @@ class Heartbeat:
 
 
 class PartnerWatch:
-    """Watches the partner's heartbeat (`role`'s, in `workdir`): `check` raises
-    PartnerGoneError once it exited or its record has not changed for `timeout_s`.
+    """Watches the heartbeat of `role` in `exchange`: `check` raises PartnerGoneError once it
+    exited or its record has not changed for `timeout_s`.
 
     A partner on this host is stale when its record's time is `timeout_s` old; one on another
     host when this process has seen the same record for `timeout_s` (the hosts' clocks may
     differ). A partner without a heartbeat yet is still starting.
     """
 
-    def __init__(self, workdir: str, role: str, timeout_s: float):
-        self.path, self.role, self.timeout_s = heartbeat_path(workdir, role), role, timeout_s
+    def __init__(self, exchange: Exchange, role: str, timeout_s: float):
+        self.exchange, self.role, self.timeout_s = exchange, role, timeout_s
+        self.key = heartbeat_key(role)
         self._record: dict | None = None
         self._first_seen = time.monotonic()
         self._host = socket.gethostname()
 
     def started(self) -> bool:
-        return os.path.exists(self.path)
+        return self.exchange.exists(self.key)
 
     def check(self, waiting_for: str) -> None:
         """Raises PartnerGoneError (saying this process was waiting for `waiting_for`) if the
         partner is gone."""
         try:
-            record = read_heartbeat(self.path)
-        except (OSError, ValueError):  # unreadable now (a file system hiccup): judge it later
+            record = self.exchange.read_json(self.key)
+        except ExchangeError:  # unreadable now (a storage hiccup): judge it later
             return
         now = time.monotonic()
         if record is None:
@@ -181,8 +197,8 @@ class PartnerWatch:
             why = f"{who} finished at {step}, {ago:.1f} s ago"
         elif silent > self.timeout_s:
             why = (
-                f"{who} is gone: its heartbeat {self.path} has not changed for {silent:.1f} s "
-                f"(heartbeat_timeout_s={self.timeout_s:g}); last seen at {step}"
+                f"{who} is gone: its heartbeat {self.exchange.where(self.key)} has not changed "
+                f"for {silent:.1f} s (heartbeat_timeout_s={self.timeout_s:g}); last seen at {step}"
             )
         else:
             return
@@ -190,45 +206,46 @@ class PartnerWatch:
 
 
 def wait_for(
-    path: str,
+    exchange: Exchange,
+    key: str,
     what: str,
     timeout_s: float,
     poll_s: float = 0.05,
     partner: PartnerWatch | None = None,
 ) -> None:
-    """Blocks until `path` exists; TimeoutError naming `what` after `timeout_s` seconds, or
-    PartnerGoneError as soon as `partner` (the process that writes `path`) is gone."""
+    """Blocks until `key` exists in `exchange`; TimeoutError naming `what` after `timeout_s`
+    seconds, or PartnerGoneError as soon as `partner` (the process that writes `key`) is gone."""
     deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
+    where = exchange.where(key)
+    while not exchange.exists(key):
         if partner is not None:
             try:
-                partner.check(f"the {what} at {path}")
+                partner.check(f"the {what} at {where}")
             except PartnerGoneError:
-                if os.path.exists(path):  # written just before the partner ended
+                if exchange.exists(key):  # written just before the partner ended
                     return
                 raise
         if time.monotonic() > deadline:
             never = "" if partner is None or partner.started() else f" (no {partner.role} started)"
-            raise TimeoutError(f"no {what} at {path} after {timeout_s:.0f} s{never}")
+            raise TimeoutError(f"no {what} at {where} after {timeout_s:.0f} s{never}")
         time.sleep(poll_s)
 
 
-def refuse_reused_workdir(workdir: str, roles: tuple[str, ...] = ROLES) -> None:
-    """Raises WorkdirReusedError, before any work, when `workdir` holds what an earlier run of one
-    of `roles` wrote (its heartbeat or its log): nothing here resumes, and the guidance store
-    and the policy versions would refuse or mix that run's entries minutes later."""
+def refuse_reused_workdir(
+    workdir: str, roles: tuple[str, ...] = ROLES, exchange: Exchange | None = None
+) -> None:
+    """Raises WorkdirReusedError, before any work, when an earlier run of one of `roles` left
+    its log in `workdir` or its heartbeat in `exchange` (None: the workdir's): nothing here
+    resumes, and the guidance store and the policy versions would refuse or mix that run's
+    objects minutes later."""
+    exchange = exchange or Exchange.at(os.path.abspath(workdir))
     for role in roles:
-        found = [
-            p
-            for p in (
-                heartbeat_path(workdir, role),
-                os.path.join(os.path.abspath(workdir), f"{ROLE_LOGS[role]}.jsonl"),
-            )
-            if os.path.exists(p)
-        ]
+        local_log = os.path.join(os.path.abspath(workdir), f"{ROLE_LOGS[role]}.jsonl")
+        record = read_heartbeat(exchange, role)
+        found = [exchange.where(heartbeat_key(role))] if record is not None else []
+        found += [local_log] if os.path.exists(local_log) else []
         if not found:
             continue
-        record = read_heartbeat(heartbeat_path(workdir, role))
         seen = ""
         if record is not None:
             state = record.get("exit") or "no exit marker"
@@ -237,104 +254,134 @@ def refuse_reused_workdir(workdir: str, roles: tuple[str, ...] = ROLES) -> None:
                 f"{record.get('step')}, {state}, {time.time() - record['time']:.0f} s ago"
             )
         raise WorkdirReusedError(
-            f"{workdir} holds an earlier {role} run ({', '.join(found)}{seen}); the "
-            "disaggregated runner cannot resume (it keeps no optimizer state): start fresh "
-            "(--fresh: `trace_jax.rl.workdir.move_aside`) or use another workdir"
+            f"an earlier {role} run left {', '.join(found)}{seen}; the disaggregated runner "
+            "cannot resume (it keeps no optimizer state): start fresh (--fresh moves the workdir "
+            "aside: `trace_jax.rl.workdir.move_aside`; an exchange elsewhere needs a new "
+            "location) or use another workdir"
         )
 
 
-def _watching(config: ExperimentConfig, workdir: str, role: str) -> tuple[Heartbeat, PartnerWatch]:
+def _watching(
+    config: ExperimentConfig, exchange: Exchange, role: str
+) -> tuple[Heartbeat, PartnerWatch]:
     """This role's heartbeat (beating a few times per `heartbeat_timeout_s`) and the watch of
     its partner."""
     timeout_s = config.disaggregated.heartbeat_timeout_s
     return (
-        Heartbeat(workdir, role, interval_s=min(1.0, timeout_s / 4)),
-        PartnerWatch(workdir, PARTNER[role], timeout_s),
+        Heartbeat(exchange, role, interval_s=min(1.0, timeout_s / 4)),
+        PartnerWatch(exchange, PARTNER[role], timeout_s),
     )
 
 
-def save_rollout(path: str, batch: RolloutBatch) -> None:
-    """The batch without its guidance (that goes through the store), written atomically."""
+def save_rollout(exchange: Exchange, batch: RolloutBatch) -> None:
+    """Commits the batch without its guidance (that goes through the store) as the bundle
+    `rollout_prefix(batch.step)`."""
     roll = batch.rollout
     arrays = {k: np.asarray(getattr(roll, k)) for k in (*ROLLOUT_FIELDS, "expert_choices")}
-    tmp = f"{path}.tmp.npz"
-    np.savez(tmp, step=batch.step, policy_version=batch.policy_version, **arrays)
-    os.replace(tmp, path)
+    meta = {"step": batch.step, "policy_version": batch.policy_version}
+    exchange.write_arrays(rollout_prefix(batch.step), arrays, meta)
 
 
-def load_rollout(path: str) -> RolloutBatch:
-    """A batch `save_rollout` wrote (device arrays, empty guidance, no reference codes)."""
-    with np.load(path) as f:
-        roll = Rollout(
-            **{k: jax.numpy.asarray(f[k]) for k in (*ROLLOUT_FIELDS, "expert_choices")},
-            guidance={},
+def load_rollout(exchange: Exchange, step: int) -> RolloutBatch:
+    """The batch `save_rollout` committed for `step` (device arrays, empty guidance, no
+    reference codes), verified: ExchangeCorruptError names what is damaged."""
+    prefix = rollout_prefix(step)
+    meta, arrays = exchange.read_arrays(prefix)
+    fields = (*ROLLOUT_FIELDS, "expert_choices")
+    if sorted(arrays) != sorted(fields) or meta.get("step") != step:
+        raise ExchangeCorruptError(
+            f"{exchange.where(prefix)} is no rollout batch of step {step}: step "
+            f"{meta.get('step')!r}, arrays {sorted(arrays)} (expected {sorted(fields)})"
         )
-        return RolloutBatch(int(f["step"]), int(f["policy_version"]), roll)
+    roll = Rollout(**{k: jnp.asarray(arrays[k]) for k in fields}, guidance={})
+    return RolloutBatch(step, int(meta["policy_version"]), roll)
 
 
 def publish_rollout(
-    store: GuidanceStore, worker: RolloutWorker, batch: RolloutBatch, rollouts_dir: str
+    store: GuidanceStore, worker: RolloutWorker, batch: RolloutBatch, exchange: Exchange
 ) -> None:
-    """Rollout -> trainer: the step's guidance into the store, then the batch file
-    `<rollouts_dir>/<step>.npz`; the trainer waits for that file, so it is written only once
-    every guidance entry of the step is committed."""
+    """Rollout -> trainer: the step's guidance into the store, then the batch bundle; the
+    trainer waits for that bundle, so it is committed only once every guidance entry of the
+    step is."""
     worker.publish_guidance(store, batch)
     store.flush()
-    save_rollout(os.path.join(rollouts_dir, f"{batch.step}.npz"), batch)
+    save_rollout(exchange, batch)
 
 
-def policy_manager(workdir: str) -> ocp.CheckpointManager:
-    """The published policy versions `<workdir>/policy/<version>`. A few are kept: the rollout
-    process reads version (t - lag) * M while the trainer publishes (t + 1) * M, and lag is
-    small (bounded by max_staleness)."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=4)
-    return ocp.CheckpointManager(_paths(workdir)["policy"], options=options)
+def publish_policy(exchange: Exchange, model: nnx.Module, version: int) -> None:
+    """Commits `model`'s parameters as the bundle `policy_prefix(version)` (one array per
+    parameter, named by its key path; this process must hold every shard of each)."""
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    arrays = {jax.tree_util.keystr(p): np.asarray(jax.device_get(x)) for p, x in leaves}
+    exchange.write_arrays(policy_prefix(version), arrays, {"version": version})
 
 
-def publish_policy(manager: ocp.CheckpointManager, model: nnx.Module, version: int) -> None:
-    """Saves `model`'s parameters as `version`, with their checksums (the rollout process
-    verifies what it loads: `trace_jax.rl.checkpoint`), and waits until they are on disk."""
-    save_step(manager, version, nnx.state(model, nnx.Param), force=True)
-    manager.wait_until_finished()
+def load_policy(exchange: Exchange, version: int, target: nnx.State) -> nnx.State:
+    """Policy `version`, verified, as `target` (the model's `nnx.Param` state) is laid out:
+    each array placed with the sharding of `target`'s. ValueError when the policy holds other
+    parameters (names, shapes or dtypes) than `target`."""
+    where = exchange.where(policy_prefix(version))
+    _, arrays = exchange.read_arrays(policy_prefix(version))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    if set(names) != set(arrays):
+        raise ValueError(
+            f"{where} holds other parameters than this model: it lacks "
+            f"{sorted(set(names) - set(arrays))[:3]}, the model lacks "
+            f"{sorted(set(arrays) - set(names))[:3]}"
+        )
+    placed = []
+    for name, (_, x) in zip(names, leaves, strict=True):
+        got = arrays[name]
+        if got.shape != x.shape or got.dtype != x.dtype:
+            raise ValueError(
+                f"{where}: {name} is {got.dtype}{list(got.shape)}, the model's "
+                f"{x.dtype}{list(x.shape)}"
+            )
+        placed.append(jax.device_put(got, x.sharding))
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def run_rollout(config: ExperimentConfig, workdir: str) -> list[dict]:
     """The rollout process: for each step, wait for its policy version, load it, sample, publish.
-    Returns its log rows (`rollout_log.jsonl`): policy version and seconds per phase."""
-    refuse_reused_workdir(workdir, ("rollout",))
+    Returns its log rows (`rollout_log.jsonl` in `workdir`): policy version and seconds per
+    phase."""
+    exchange = run_exchange(config, workdir)
+    refuse_reused_workdir(workdir, ("rollout",), exchange)
     guard_workdir(workdir, "disaggregated", config)  # a workdir of other settings is refused
-    beat, partner = _watching(config, workdir, "rollout")
+    beat, partner = _watching(config, exchange, "rollout")
     with beat:  # from here on the trainer sees this process alive, or how it ended
-        return _rollout_steps(config, workdir, beat, partner)
+        return _rollout_steps(config, workdir, exchange, beat, partner)
 
 
 def _rollout_steps(
-    config: ExperimentConfig, workdir: str, beat: Heartbeat, partner: PartnerWatch
+    config: ExperimentConfig,
+    workdir: str,
+    exchange: Exchange,
+    beat: Heartbeat,
+    partner: PartnerWatch,
 ) -> list[dict]:
     lag, timeout_s = config.disaggregated.lag, config.disaggregated.timeout_s
-    paths = _paths(workdir)
-    os.makedirs(paths["rollouts"], exist_ok=True)
     mesh = experiment_mesh(config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     worker = RolloutWorker(config, init_policy(config, mesh), config.method_setup(), mesh)
-    abstract = nnx.state(worker.model, nnx.Param)
     rows = []
     with (
-        policy_manager(workdir) as policies,
-        GuidanceStore(GuidanceStoreConfig(kvstore=paths["guidance"])) as store,
+        GuidanceStore(exchange.sub_config("guidance/")) as store,
         MetricsLog(workdir, "rollout_log") as rollout_log,
     ):
         for step in range(config.rl.steps):
             beat.step = step
             version = max(0, step - lag) * config.rl.grpo.mini_batches
             t0 = time.perf_counter()
-            policy = os.path.join(paths["policy"], str(version))
-            wait_for(policy, f"policy version {version}", timeout_s, partner=partner)
-            policies.reload()
-            nnx.update(worker.model, restore_step(policies, version, abstract))
+            key = manifest_key(policy_prefix(version))
+            wait_for(exchange, key, f"policy version {version}", timeout_s, partner=partner)
+            params = nnx.state(worker.model, nnx.Param)
+            nnx.update(worker.model, load_policy(exchange, version, params))
             t1 = time.perf_counter()
             batch = worker.rollout(step, version)  # mismatch statistics: RLLoop only
             t2 = time.perf_counter()
-            publish_rollout(store, worker, batch, paths["rollouts"])
+            publish_rollout(store, worker, batch, exchange)
             t3 = time.perf_counter()
             row = {
                 "policy_version": version,
@@ -348,39 +395,46 @@ def _rollout_steps(
 
 def run_trainer(config: ExperimentConfig, workdir: str) -> list[dict]:
     """The trainer process: publish version 0, then per step wait for the batch, train, publish
-    the new version. Returns its metric rows (`rl_metrics.jsonl`)."""
-    refuse_reused_workdir(workdir, ("trainer",))
+    the new version. Returns its metric rows (`rl_metrics.jsonl` in `workdir`)."""
+    exchange = run_exchange(config, workdir)
+    refuse_reused_workdir(workdir, ("trainer",), exchange)
     guard_workdir(workdir, "disaggregated", config)  # a workdir of other settings is refused
-    beat, partner = _watching(config, workdir, "trainer")
+    beat, partner = _watching(config, exchange, "trainer")
     with beat:  # from here on the rollout process sees this one alive, or how it ended
-        return _trainer_steps(config, workdir, beat, partner)
+        return _trainer_steps(config, workdir, exchange, beat, partner)
 
 
 def _trainer_steps(
-    config: ExperimentConfig, workdir: str, beat: Heartbeat, partner: PartnerWatch
+    config: ExperimentConfig,
+    workdir: str,
+    exchange: Exchange,
+    beat: Heartbeat,
+    partner: PartnerWatch,
 ) -> list[dict]:
-    paths = _paths(workdir)
     mesh = experiment_mesh(config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     trainer = Trainer(config, init_policy(config, mesh), config.method_setup(), mesh)
     m, timeout_s = config.rl.grpo.mini_batches, config.disaggregated.timeout_s
+    # The rollout of step t + 1 reads version (t + 1 - lag) * m while this publishes (t + 1) * m.
+    kept = config.disaggregated.lag + 2
     history = []
     with (
-        policy_manager(workdir) as policies,
-        GuidanceStore(GuidanceStoreConfig(kvstore=paths["guidance"])) as store,
+        GuidanceStore(exchange.sub_config("guidance/")) as store,
         MetricsLog(workdir, "rl_metrics") as metrics_log,
     ):
-        publish_policy(policies, trainer.model, 0)
+        publish_policy(exchange, trainer.model, 0)
         for step in range(config.rl.steps):
             beat.step = step
             t0 = time.perf_counter()
-            path = os.path.join(paths["rollouts"], f"{step}.npz")
-            wait_for(path, f"rollout batch of step {step}", timeout_s, partner=partner)
-            batch = load_rollout(path)
+            key = manifest_key(rollout_prefix(step))
+            wait_for(exchange, key, f"rollout batch of step {step}", timeout_s, partner=partner)
+            batch = load_rollout(exchange, step)
             t1 = time.perf_counter()
             metrics, blocked = trainer.train(batch, store)
             t2 = time.perf_counter()
-            publish_policy(policies, trainer.model, (step + 1) * m)
-            os.remove(path)
+            publish_policy(exchange, trainer.model, (step + 1) * m)
+            exchange.delete(rollout_prefix(step))
+            if step + 1 >= kept:
+                exchange.delete(policy_prefix((step + 1 - kept) * m))
             row = {
                 **metrics,
                 "policy_version": step * m,

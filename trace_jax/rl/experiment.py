@@ -23,6 +23,7 @@ from trace_jax.models import IMPLEMENTATION_SETTINGS, ModelConfig
 from trace_jax.quant import QUANT_RECIPES, parse_layer_spec
 from trace_jax.rl.config import GRPOConfig
 from trace_jax.rl.config_dict import Checks, ConfigError, field_defaults, section_config_dict
+from trace_jax.rl.exchange import location_config
 from trace_jax.rl.methods import METHODS, MethodSetup, get_method
 from trace_jax.rl.model_spec import MODEL_PRESETS as MODEL_PRESETS
 from trace_jax.rl.model_spec import ModelSpec
@@ -284,20 +285,34 @@ class DisaggregatedConfig:
     """Rollout and trainer as two processes (`trace_jax.rl.disaggregated`).
 
     lag: RL steps the rollout process may run ahead of the trainer (0: lock step).
-    timeout_s: how long either process waits for the other's next file.
+    timeout_s: how long either process waits for the other's next object.
     heartbeat_timeout_s: how long the other's heartbeat may stay unchanged before it counts as
       dead (the waiting process then exits).
+    exchange: where the two pass everything (`trace_jax.rl.exchange`): a kvstore URL
+      ("s3://bucket/prefix/", "gs://bucket/prefix/") or a directory; "": the workdir.
+    exchange_s3_endpoint, exchange_s3_region, exchange_s3_credentials: `S3Options` of an
+      "s3://" exchange ("": unset).
     """
 
     lag: int = 0
     timeout_s: float = 600.0
     heartbeat_timeout_s: float = 10.0
+    exchange: str = ""
+    exchange_s3_endpoint: str = ""
+    exchange_s3_region: str = ""
+    exchange_s3_credentials: str = "default"
 
     def __post_init__(self):
         c = Checks("DisaggregatedConfig")
         c.ints(self, ("lag",), 0)
         c.number(self, "timeout_s", "> 0", lambda x: x > 0)
         c.number(self, "heartbeat_timeout_s", "> 0", lambda x: x > 0)
+        s3 = ("exchange_s3_endpoint", "exchange_s3_region", "exchange_s3_credentials")
+        settings = {n.removeprefix("exchange_"): getattr(self, n) for n in s3}
+        try:
+            location_config(self.exchange, **settings)
+        except ValueError as e:
+            c.need(False, ("exchange", *s3), str(e))
         c.raise_any()
 
 
