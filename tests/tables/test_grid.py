@@ -104,6 +104,10 @@ def test_run_dir_and_benchmark_average():
         "arith_countdown_l3",
         "arith_countdown_l4",
         "program_l2to4",
+        "loop_l2",
+        "loop_l3",
+        "loop_l4",
+        "loop_l5",
     )
     splits = ("level1", "arith_countdown_l2", "arith_countdown_l4")
     assert benchmark_splits(splits) == ["arith_countdown_l2", "arith_countdown_l4"]

@@ -1,4 +1,5 @@
-"""Generators: every worked solution verifies, is consistent, deterministic and within bounds."""
+"""Generators: every worked solution verifies, is consistent, deterministic and within bounds
+(the short-response tasks here; the loop programs in `test_loop.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from trace_jax.tasks import countdown, expr, program
 from trace_jax.tasks.tokenizer import ANSWER_MARKER
 
 N_PER_LEVEL = 150
-CASES = [(task, level) for task in tasks.TASKS for level in tasks.LEVELS]
+CASES = [(task, level) for task in tasks.SHORT_TASKS for level in tasks.LEVELS]
 
 
 def _problems(task, level, n=N_PER_LEVEL, seed=0):

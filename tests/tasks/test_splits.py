@@ -12,6 +12,7 @@ from trace_jax.tasks import expr, splits
 
 N_TRAIN = 3000
 MATH = ("arith_countdown_l2", "arith_countdown_l3", "arith_countdown_l4")
+LOOP = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
 
 
 def _fingerprint(problems):
@@ -19,7 +20,7 @@ def _fingerprint(problems):
 
 
 def test_names_sizes_and_content():
-    assert tasks.SPLIT_NAMES == (*MATH, "program_l2to4", "level1")
+    assert tasks.SPLIT_NAMES == (*MATH, "program_l2to4", "level1", *LOOP)
     all_splits = tasks.eval_splits()
     for name in tasks.SPLIT_NAMES:
         problems = all_splits[name]
@@ -36,6 +37,9 @@ def test_names_sizes_and_content():
         }
         assert {p.difficulty for p in all_splits[name]} == {level}
     assert {p.difficulty for p in all_splits["level1"]} == {1}
+    assert {p.task for p in all_splits["level1"]} == set(tasks.SHORT_TASKS)
+    for name, level in zip(LOOP, (2, 3, 4, 5), strict=True):
+        assert {(p.task, p.difficulty) for p in all_splits[name]} == {(tasks.TaskKind.LOOP, level)}
     with pytest.raises(ValueError, match="unknown split"):
         tasks.eval_split("gsm8k")
 
@@ -48,6 +52,10 @@ def test_benchmark_names_are_kept_for_what_the_splits_stand_in_for():
         "arith_countdown_l4": "HMMT February 2025",
         "program_l2to4": "LiveCodeBench",
         "level1": "",
+        "loop_l2": "AIME 2024",
+        "loop_l3": "AIME 2025",
+        "loop_l4": "HMMT February 2025",
+        "loop_l5": "LiveCodeBench",
     }
     assert splits.split_legend(["arith_countdown_l2", "level1"]) == (
         "`arith_countdown_l2` (stands in for AIME 2024), `level1` (no paper counterpart)"
@@ -100,6 +108,10 @@ PINNED = {
     "arith_countdown_l4": ("10-3*17+8*18-12=", "91"),
     "program_l2to4": ("f=3;e=f+9;d=f-6;b=e+d;?b", "9"),
     "level1": ("4+9*3=", "31"),
+    "loop_l2": ("e=45;f=44;do 10:f=e-f;e=e-f;?e", "10"),
+    "loop_l3": ("d=52;h=32;do 19:d=h-2;h=d-41;?h", "15"),
+    "loop_l4": ("c=76;d=63;do 32:c=c-d;d=c-d;?c", "27"),
+    "loop_l5": ("f=37;g=77;h=32;do 51:f=g+81;g=h-90;h=f+50;?f", "83"),
 }
 
 
@@ -163,7 +175,7 @@ def test_training_stream_is_deterministic_and_mixed():
     b = list(itertools.islice(tasks.train_stream(5), 300))
     c = list(itertools.islice(tasks.train_stream(6), 300))
     assert _fingerprint(a) == _fingerprint(b) != _fingerprint(c)
-    assert {p.task for p in a} == set(tasks.TASKS)
+    assert {p.task for p in a} == set(tasks.SHORT_TASKS)  # the default mix
     assert {p.difficulty for p in a} == set(tasks.LEVELS)
     only = list(itertools.islice(tasks.train_stream(0, tasks=["countdown"], levels=[1, 3]), 100))
     assert {p.task for p in only} == {tasks.TaskKind.COUNTDOWN}

@@ -83,11 +83,12 @@ class SyntheticDataset:
         return len(tokenizer.prompt_ids("")) + max(caps)
 
     def sft_row_length(self, tokenizer: Tokenizer) -> int:
-        """As `prompt_width`, for prompt + solution + EOS; taken over every task, not only
-        `kinds`, so that every task mix shares the shape."""
+        """As `prompt_width`, for prompt + solution + EOS; taken over the short-response tasks
+        and `kinds`, so that every mix of the short tasks shares the shape (and a long task
+        widens only its own runs' rows)."""
         caps = [
             tasks.level_spec(t, lv).max_prompt_tokens + tasks.level_spec(t, lv).max_solution_tokens
-            for t in tasks.TASKS
+            for t in {*tasks.SHORT_TASKS, *self.kinds}
             for lv in self.levels
         ]
         return len(tokenizer.prompt_ids("")) + max(caps) + 1

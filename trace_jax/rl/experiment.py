@@ -114,7 +114,8 @@ class TaskConfig:
     @property
     def sft_row_length(self) -> int:
         """Tokens of the longest SFT row (prompt + solution + EOS), for one compile (for the
-        generated tasks, over every task at these levels: every task mix shares the shape)."""
+        generated tasks, over the short-response tasks plus the run's own kinds at these levels:
+        every mix of short tasks shares the shape, a long-response task widens it)."""
         return self.make_dataset().sft_row_length(self.make_tokenizer())
 
 

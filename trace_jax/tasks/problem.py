@@ -18,6 +18,13 @@ class TaskKind(enum.StrEnum):
     ARITHMETIC = "arithmetic"
     COUNTDOWN = "countdown"
     PROGRAM = "program"
+    LOOP = "loop"
+
+
+# Worked solutions of at most about 100 tokens: the short-response regime, and the default mix.
+SHORT_TASKS = (TaskKind.ARITHMETIC, TaskKind.COUNTDOWN, TaskKind.PROGRAM)
+# Worked solutions of 96-2048 tokens (by level): the long-response regime.
+LONG_TASKS = (TaskKind.LOOP,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from trace_jax.tasks import arithmetic, countdown, program
+from trace_jax.tasks import arithmetic, countdown, loop, program
 from trace_jax.tasks.problem import Problem, TaskKind, check_level
 
 _MODULES = {
     TaskKind.ARITHMETIC: arithmetic,
     TaskKind.COUNTDOWN: countdown,
     TaskKind.PROGRAM: program,
+    TaskKind.LOOP: loop,
 }
 TASKS = tuple(_MODULES)
 

@@ -7,12 +7,18 @@
 | `arith_countdown_l4` | 48 arithmetic + 48 countdown, level 4          | HMMT Feb 2025  |
 | `program_l2to4`      | 32 programs each at levels 2, 3, 4             | LiveCodeBench  |
 | `level1`             | 32 each of arithmetic, countdown, program, L1  | (none)         |
+| `loop_l2`            | 96 loop programs, level 2 (192-256 tokens)     | AIME 2024      |
+| `loop_l3`            | 96 loop programs, level 3 (384-512 tokens)     | AIME 2025      |
+| `loop_l4`            | 96 loop programs, level 4 (768-1024 tokens)    | HMMT Feb 2025  |
+| `loop_l5`            | 96 loop programs, level 5 (1536-2048 tokens)   | LiveCodeBench  |
 
-The first four are the benchmark splits: generated problems that take the place of the paper's
-benchmarks in its tables (`SplitSpec.stands_for`, shown by `split_legend`); real benchmark
-names are kept for real benchmark files. `level1` has no counterpart in the paper: it is the
-in-distribution check of the CPU quickstart, whose `tiny` model learns level 1 but not the
-harder splits.
+The first four are the benchmark splits of the short-response regime: generated problems that
+take the place of the paper's benchmarks in its tables (`SplitSpec.stands_for`, shown by
+`split_legend`); real benchmark names are kept for real benchmark files. `level1` has no
+counterpart in the paper: it is the in-distribution check of the CPU quickstart, whose `tiny`
+model learns level 1 but not the harder splits. The `loop_*` splits take the benchmarks' place in
+the long-response regime (`configs/table1_long.py`), where worked solutions run to 2048 tokens
+as the paper's reasoning rollouts do; a table evaluates one regime's splits.
 
 Splits are generated from fixed seeds, in this order, with every prompt unique across all of
 them; `train_stream` skips any held-out prompt, so training never sees a test problem.
@@ -28,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from trace_jax.tasks import registry
-from trace_jax.tasks.problem import LEVELS, Problem, TaskKind
+from trace_jax.tasks.problem import LEVELS, SHORT_TASKS, Problem, TaskKind
 
 _TRAIN_ENTROPY = 0x7472_6169  # "trai": seeds of the training stream
 _TEST_ENTROPY = 0x7465_7374  # "test": seeds of the held-out splits
@@ -54,6 +60,13 @@ def _math(name: str, stands_for: str, level: int, seed: int) -> SplitSpec:
     return SplitSpec(name=name, stands_for=stands_for, parts=parts, seed=seed)
 
 
+def _loop(stands_for: str, level: int) -> SplitSpec:
+    parts = ((TaskKind.LOOP, level, 96),)
+    return SplitSpec(name=f"loop_l{level}", stands_for=stands_for, parts=parts, seed=8000 + level)
+
+
+# Generated in this order, every prompt unique across all of them: a split appended at the end
+# leaves every split before it unchanged.
 SPLITS = {
     s.name: s
     for s in (
@@ -66,13 +79,16 @@ SPLITS = {
             parts=tuple((TaskKind.PROGRAM, level, 32) for level in (2, 3, 4)),
             seed=5000,
         ),
-        # Last, so adding it left the splits above unchanged.
         SplitSpec(
             name="level1",
             stands_for="",
-            parts=tuple((task, 1, 32) for task in TaskKind),
+            parts=tuple((task, 1, 32) for task in SHORT_TASKS),
             seed=1,
         ),
+        _loop("AIME 2024", level=2),
+        _loop("AIME 2025", level=3),
+        _loop("HMMT February 2025", level=4),
+        _loop("LiveCodeBench", level=5),
     )
 }
 SPLIT_NAMES = tuple(SPLITS)
@@ -168,14 +184,14 @@ def held_out_prompts() -> frozenset[str]:
 def train_stream(
     seed: int,
     *,
-    tasks: Sequence[TaskKind | str] = tuple(TaskKind),
+    tasks: Sequence[TaskKind | str] = SHORT_TASKS,
     levels: Sequence[int] = LEVELS,
     weights: Sequence[float] | None = None,
 ) -> Iterator[Problem]:
     """An endless, deterministic stream of training problems, none of them held out.
 
-    Each problem picks a task from `tasks` (with probabilities `weights`, uniform by default)
-    and a level uniformly from `levels`.
+    Each problem picks a task from `tasks` (the short-response tasks unless given; with
+    probabilities `weights`, uniform by default) and a level uniformly from `levels`.
     """
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
@@ -213,7 +229,8 @@ def _stream(
 
 
 def split_stats(problems: Sequence[Problem]) -> dict[str, float]:
-    """Size, mean difficulty and mean / max token lengths of a list of problems."""
+    """Size, mean difficulty, mean / max prompt tokens (BOS included) and min / mean / max
+    solution tokens (EOS included) of a list of problems."""
     prompt = np.asarray([p.prompt_tokens for p in problems])
     solution = np.asarray([p.solution_tokens for p in problems])
     return {
@@ -221,6 +238,7 @@ def split_stats(problems: Sequence[Problem]) -> dict[str, float]:
         "mean_difficulty": float(np.mean([p.difficulty for p in problems])),
         "mean_prompt_tokens": float(prompt.mean()),
         "max_prompt_tokens": int(prompt.max()),
+        "min_solution_tokens": int(solution.min()),
         "mean_solution_tokens": float(solution.mean()),
         "max_solution_tokens": int(solution.max()),
     }

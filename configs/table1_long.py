@@ -1,0 +1,85 @@
+r"""Table 1 analog in the long-response regime: NVFP4 W/A/KV rollouts, every method, `small`, on
+loop programs whose worked solutions run 192-2048 tokens (`trace_jax.tasks.loop`).
+
+  python -m experiments.paper_table --config=configs/table1_long.py --workdir=workdir/table1_long
+  python -m experiments.paper_table --config=configs/table1_long.py:pilot \
+      --workdir=workdir/table1_long_pilot --runs=bf16,fp4_qat,trace
+
+The short tasks' responses (at most about 100 tokens) leave no room for a per-token
+train-rollout mismatch to compound over a sequence; here every rollout samples up to 2048
+tokens, as the paper's reasoning rollouts do. Training and evaluation use loop programs at levels
+2-5 (192-256, 384-512, 768-1024 and 1536-2048 solution tokens); the held-out splits `loop_l2`
+... `loop_l5` take the benchmarks' place. A step is as hard at every level: the level sets only
+how many steps a solution takes.
+
+Sizing, one (run, seed) alone on one H200, from the Table 1 recipe's measured GRPO step
+(`rl_step_time.md`: rollout 0.317 s for 256 rows x 128 new tokens, training 0.330 s for 256 rows
+x 177 token slots, TRACE's guidance I/O 0.122 s):
+- rollout: decoding `small` is bound by latency, not rows (about 2.5 ms a step at 256 rows); the
+  longest response of a step (a level-5 problem is in 99% of 16-prompt steps) takes up to 2048
+  steps: about 5 s;
+- training: 16 prompts x 8 samples x (49 + 2048) slots = 268K token slots, 6x Table 1's 45K:
+  2.0 s at its 7.3 us a slot, and about 1.7x that as attention grows to 2K keys (its FLOPs per
+  token go from 7% to 85% of the projections'): about 3.5 s;
+- TRACE's guidance I/O grows with the tokens: about 0.7 s.
+So a step is about 9 s (TRACE; 8-8.5 s for the others) and 100 steps about 15 minutes, plus 2-3
+minutes of compilation and two evaluations of 4 x 96 problems x 4 samples (about 15 s each):
+about 20 minutes, 25 with a margin for the estimate. The trainer's dense attention keeps a
+mini-batch's [32, 8, 2097, 2097] scores per layer: 4 mini-batches (32 rows each, staleness 3,
+the paper's) keep its memory near 60-90 GiB, so one run takes an H200 to itself. The SFT stage
+(shared by the table: 2000 steps of 16 rows of 2098 slots, about 0.4 s each) takes 10-15 minutes.
+
+`pilot`: the same SFT stage (so the full table can reuse its checkpoint), 2 seeds, 20 GRPO steps
+evaluated at steps 9 and 19 on 48 problems per split x 2 samples: about 6 minutes a run.
+"""
+
+import ml_collections
+
+from configs import small_gpu
+from trace_jax.tables.grid import table_section
+
+LOOP_SPLITS = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
+MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The long-regime Table 1; `arg="pilot"`: 2 seeds of 20 steps (module docstring)."""
+    c = small_gpu.get_config()
+    c.tasks.update(kinds=("loop",), levels=(2, 3, 4, 5))
+    c.sft.update(steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100, log_every=100)
+    c.eval.update(
+        splits=LOOP_SPLITS,
+        problems_per_split=96,
+        k=4,
+        temperature=1.0,
+        max_new_tokens=MAX_SOLUTION_TOKENS,
+    )
+    c.rl.update(
+        steps=100,
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=MAX_SOLUTION_TOKENS,
+        learning_rate=3e-5,  # Table 1's (not tuned)
+        warmup_steps=10,
+        mini_batches=4,
+        eval_every=50,
+        checkpoint_every=25,
+        mismatch_every=25,
+    )
+    name, seeds = "table1_long", (0, 1, 2)
+    if arg == "pilot":
+        name, seeds = "table1_long_pilot", (0, 1)
+        c.eval.update(problems_per_split=48, k=2)
+        c.rl.update(steps=20, eval_every=10, checkpoint_every=10, mismatch_every=10)
+    elif arg:
+        raise ValueError(f"unknown config variant {arg!r}; the only one is 'pilot'")
+    c.table = table_section(
+        name=name,
+        title="Table 1 analog, long responses: NVFP4 W/A/KV rollout, pass@1 after GRPO",
+        seeds=seeds,
+        runs=tuple(
+            (m, {"rl.method": m, "rl.format": "nvfp4"})
+            for m in ("bf16", "fp4_qat", "qarl", "quads", "trace")
+        ),
+    )
+    return c
