@@ -29,8 +29,13 @@ mini-batch's [32, 8, 2097, 2097] scores per layer: 4 mini-batches (32 rows each,
 the paper's) keep its memory near 60-90 GiB, so one run takes an H200 to itself. The SFT stage
 (shared by the table: 2000 steps of 16 rows of 2098 slots, about 0.4 s each) takes 10-15 minutes.
 
-`pilot`: the same SFT stage (so the full table can reuse its checkpoint), 2 seeds, 20 GRPO steps
-evaluated at steps 9 and 19 on 48 problems per split x 2 samples: about 6 minutes a run.
+`pilot`: sized for one machine held for at most 30 minutes (the SFT stage and every run on one
+H200, nothing carried over): its own SFT stage on levels 2-4 (1200 steps of 16 rows of at most
+1073 slots), then every method but QaRL at the hypothesis' strongest single knob besides length
+(3x Table 1's learning rate), 2 seeds, all eight runs sharing the GPU (8 prompts x 8 samples a
+step, so that the paper's 4 mini-batches hold 16 rows and a run's trainer stays near 10-15 GiB),
+40 GRPO steps on responses of up to 1024 tokens, held-out
+evaluation on `loop_l2`..`loop_l4` (48 problems x 2 samples) at steps 19 and 39.
 """
 
 import ml_collections
@@ -43,7 +48,7 @@ MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The long-regime Table 1; `arg="pilot"`: 2 seeds of 20 steps (module docstring)."""
+    """The long-regime Table 1; `arg="pilot"`: one machine's pilot sweep (module docstring)."""
     c = small_gpu.get_config()
     c.tasks.update(kinds=("loop",), levels=(2, 3, 4, 5))
     c.sft.update(steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100, log_every=100)
@@ -67,10 +72,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         mismatch_every=25,
     )
     name, seeds = "table1_long", (0, 1, 2)
+    methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
     if arg == "pilot":
-        name, seeds = "table1_long_pilot", (0, 1)
-        c.eval.update(problems_per_split=48, k=2)
-        c.rl.update(steps=20, eval_every=10, checkpoint_every=10, mismatch_every=10)
+        name, seeds, methods = "table1_long_pilot", (0, 1), ("bf16", "fp4_qat", "quads", "trace")
+        c.tasks.update(levels=(2, 3, 4))
+        c.sft.update(steps=1200)
+        c.eval.update(splits=LOOP_SPLITS[:3], problems_per_split=48, k=2, max_new_tokens=1024)
+        c.rl.update(
+            steps=40,
+            max_new_tokens=1024,
+            learning_rate=1e-4,
+            prompts_per_step=8,
+            eval_every=20,
+            checkpoint_every=20,
+            mismatch_every=40,
+        )
     elif arg:
         raise ValueError(f"unknown config variant {arg!r}; the only one is 'pilot'")
     c.table = table_section(
@@ -79,7 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         seeds=seeds,
         runs=tuple(
             (m, {"rl.method": m, "rl.format": "nvfp4"})
-            for m in ("bf16", "fp4_qat", "qarl", "quads", "trace")
+            for m in methods
         ),
     )
     return c
