@@ -31,11 +31,12 @@ the paper's) keep its memory near 60-90 GiB, so one run takes an H200 to itself.
 
 `pilot`: sized for one machine held for at most 30 minutes (the SFT stage and every run on one
 H200, nothing carried over): its own SFT stage on levels 2-4 (1200 steps of 16 rows of at most
-1073 slots), then every method but QaRL at the hypothesis' strongest single knob besides length
-(3x Table 1's learning rate), 2 seeds, all eight runs sharing the GPU (8 prompts x 8 samples a
-step, so that the paper's 4 mini-batches hold 16 rows and a run's trainer stays near 10-15 GiB),
-40 GRPO steps on responses of up to 1024 tokens, held-out
+1073 slots), then every method but QaRL, 2 seeds, all eight runs sharing the GPU (8 prompts x 8
+samples a step, so that the paper's 4 mini-batches hold 16 rows and a run's trainer stays near
+10-15 GiB), 40 GRPO steps on responses of up to 1024 tokens at Table 1's learning rate, held-out
 evaluation on `loop_l2`..`loop_l4` (48 problems x 2 samples) at steps 19 and 39.
+`pilot_high_lr`: the same at 3x the learning rate (1e-4), the hypothesis' strongest single knob
+besides length.
 """
 
 import ml_collections
@@ -45,10 +46,11 @@ from trace_jax.tables.grid import table_section
 
 LOOP_SPLITS = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
 MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
+PILOT_LEARNING_RATES = {"pilot": 3e-5, "pilot_high_lr": 1e-4}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The long-regime Table 1; `arg="pilot"`: one machine's pilot sweep (module docstring)."""
+    """The long-regime Table 1; `arg`: a pilot of one machine (`PILOT_LEARNING_RATES`; module docstring)."""
     c = small_gpu.get_config()
     c.tasks.update(kinds=("loop",), levels=(2, 3, 4, 5))
     c.sft.update(steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100, log_every=100)
@@ -73,22 +75,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     name, seeds = "table1_long", (0, 1, 2)
     methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
-    if arg == "pilot":
-        name, seeds, methods = "table1_long_pilot", (0, 1), ("bf16", "fp4_qat", "quads", "trace")
+    if arg in PILOT_LEARNING_RATES:
+        name, seeds, methods = f"table1_long_{arg}", (0, 1), ("bf16", "fp4_qat", "quads", "trace")
         c.tasks.update(levels=(2, 3, 4))
         c.sft.update(steps=1200)
         c.eval.update(splits=LOOP_SPLITS[:3], problems_per_split=48, k=2, max_new_tokens=1024)
         c.rl.update(
             steps=40,
             max_new_tokens=1024,
-            learning_rate=1e-4,
+            learning_rate=PILOT_LEARNING_RATES[arg],
             prompts_per_step=8,
             eval_every=20,
             checkpoint_every=20,
             mismatch_every=40,
         )
     elif arg:
-        raise ValueError(f"unknown config variant {arg!r}; the only one is 'pilot'")
+        raise ValueError(f"unknown config variant {arg!r}; known: {sorted(PILOT_LEARNING_RATES)}")
     c.table = table_section(
         name=name,
         title="Table 1 analog, long responses: NVFP4 W/A/KV rollout, pass@1 after GRPO",

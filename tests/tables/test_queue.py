@@ -73,8 +73,9 @@ def test_tables_with_different_sft_cannot_share_it():
     queue.check_shared_sft([t1, t4])
 
 
-def _fake_launcher(fail_first: set[str], log: list):
-    """Jobs are short sleeps; the named ones fail on their first attempt."""
+def _fake_launcher(fail_first: set[str], log: list, seconds: dict[str, float] | None = None):
+    """Jobs are short sleeps (0.3 s unless `seconds` names the job); the named ones fail on
+    their first attempt."""
 
     def launch(job, gpu, log_path):
         attempt = int(log_path.rsplit(".", 2)[-2])
@@ -82,7 +83,8 @@ def _fake_launcher(fail_first: set[str], log: list):
         log.append((job.name, gpu, attempt))
         with open(log_path, "w") as f:
             f.write(f"{job.name} attempt {attempt}\n")
-        script = f"import time, sys; time.sleep(0.3); sys.exit({code})"
+        sleep = (seconds or {}).get(job.name, 0.3)
+        script = f"import time, sys; time.sleep({sleep}); sys.exit({code})"
         return subprocess.Popen([sys.executable, "-c", script])
 
     return launch
@@ -110,6 +112,24 @@ def test_queue_fills_slots_retries_failures_once_and_logs(tmp_path):
         peak = max(peak, live)
     assert peak == 4 and {g for _, g, _ in started} == {0, 1}
     assert sum("end" in e and e["rc"] == 1 for e in _events(tmp_path)) == 1
+
+
+def test_a_failed_job_is_retried_once_a_co_tenant_has_ended(tmp_path):
+    """An out-of-memory retried beside the same co-tenants fails again: the retry waits for a
+    job on its GPU to end; on a GPU where nothing else runs it starts at once."""
+    jobs = [queue.Job("c.py", "t", name, 0, 0, 1) for name in ("oom", "long", "other")]
+    names = [j.name for j in jobs]
+    started = []
+    launch = _fake_launcher({names[0], names[2]}, started, seconds={names[1]: 1.5})
+    kw = dict(per_gpu=2, root=str(tmp_path), deadline_s=None, poll_s=0.05)
+    codes = queue.run_queue(jobs[:2], gpus=[0], launch=launch, **kw)
+    assert codes == {n: 0 for n in names[:2]}
+    events = _events(tmp_path)
+    (retry,) = [e["t"] for e in events if e.get("start") == names[0] and e["attempt"] == 1]
+    (long_end,) = [e["t"] for e in events if e.get("end") == names[1]]
+    assert retry >= long_end
+    codes = queue.run_queue(jobs[2:], gpus=[0], launch=launch, **kw)  # alone on its GPU
+    assert codes == {names[2]: 0} and [a for n, _, a in started if n == names[2]] == [0, 1]
 
 
 def test_a_second_invocation_keeps_the_first_ones_logs(tmp_path):

@@ -148,12 +148,12 @@ def test_held_out_splits_rise_in_length_and_are_disjoint_from_training():
     assert not held_out & set(trained)
 
 
-@pytest.mark.parametrize("variant", [None, "pilot"])
+@pytest.mark.parametrize("variant", [None, "pilot", "pilot_high_lr"])
 def test_long_config_validates_and_fits_the_tasks(variant):
     cd = table1_long.get_config(variant)
     config = ExperimentConfig.from_config_dict(cd)
     table = Table.from_config_dict(cd)
-    splits = LOOP_SPLITS[:3] if variant == "pilot" else LOOP_SPLITS  # the pilot stops at 1024
+    splits = LOOP_SPLITS[:3] if variant else LOOP_SPLITS  # the pilot stops at 1024
     assert config.tasks.kinds == ("loop",) and config.eval.splits == splits
     assert benchmark_splits(config.eval.splits) == list(splits)  # the table averages them
     longest = max(tasks.level_spec("loop", lv).max_solution_tokens for lv in config.tasks.levels)
@@ -163,7 +163,7 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     prompt_cap = max(tasks.level_spec("loop", lv).max_prompt_tokens for lv in config.tasks.levels)
     assert config.tasks.prompt_width >= prompt_cap
     assert config.tasks.sft_row_length >= prompt_cap + longest
-    assert len(table.seeds) == (2 if variant == "pilot" else 3)
+    assert len(table.seeds) == (2 if variant else 3)
     assert "fp4_qat" in table.labels and "trace" in table.labels
 
 

@@ -6,7 +6,9 @@
    per_gpu` slots each run one job at a time: a subprocess of the table driver's entry point
    with `--runs=<label> --shard=<k>/<seeds>` (exactly seed k of that run), pinned to its GPU
    with GPU memory on demand. A failed job (an out-of-memory when co-tenants peak, say) is
-   retried once, from its last checkpoint. No job starts after the deadline; what is unfinished
+   retried once, from its last checkpoint, once a co-tenant has freed its memory: after another
+   job on the GPU it failed on has ended, or at once when none runs there. No job starts after
+   the deadline; what is unfinished
    then stays a job for the next invocation on the same root.
 3. `<root>/queue.jsonl` logs every job's start and end (time, GPU, return code, log file).
 
@@ -225,13 +227,18 @@ def run_queue(
 ) -> dict[str, int]:
     """Runs `jobs` on `len(gpus) * per_gpu` slots; returns each finished job's last return code.
 
-    A failed job goes back to the end of the queue up to `retries` times. No job starts after
+    A failed job goes back to the end of the queue up to `retries` times and starts again only
+    after another job on the GPU it failed on has ended, or when none runs there (an immediate
+    retry beside the same co-tenants meets the same out-of-memory). No job starts after
     `deadline_s` seconds. A job with `same_as` is not launched: the run of that job is copied
     into it when it finishes (if that one fails for good, this one is queued to train itself).
     """
     log_dir = os.path.join(root, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    queue = [(job, 0) for job in jobs if not job.same_as]
+    # (job, attempt, gate): a retry's gate is (GPU it failed on, jobs ended there by then).
+    queue: list[tuple[Job, int, tuple[int | None, int] | None]] = [
+        (job, 0, None) for job in jobs if not job.same_as
+    ]
     waiting: dict[str, list[Job]] = {}  # job name -> the jobs that are the same run
     for job in jobs:
         if job.same_as:
@@ -239,7 +246,15 @@ def run_queue(
     running: dict[int, tuple[Job, int, subprocess.Popen, float]] = {}
     slots = [gpu for gpu in gpus for _ in range(per_gpu)]
     codes: dict[str, int] = {}
+    ended = dict.fromkeys(gpus, 0)  # jobs ended on each GPU so far
     t0 = time.perf_counter()
+
+    def ready(gate: tuple[int | None, int] | None) -> bool:
+        if gate is None:
+            return True
+        gpu, ended_then = gate
+        co_tenants = any(g == gpu for g in (slots[s] for s in running))
+        return ended[gpu] > ended_then or not co_tenants
 
     def late() -> bool:
         return deadline_s is not None and time.perf_counter() - t0 > deadline_s
@@ -253,15 +268,18 @@ def run_queue(
         try:
             while queue or running:
                 for slot, gpu in enumerate(slots):
-                    if slot in running or not queue or late():
+                    if slot in running or late():
                         continue
-                    job, attempt = queue.pop(0)
+                    i = next((i for i, (_, _, gate) in enumerate(queue) if ready(gate)), None)
+                    if i is None:
+                        continue
+                    job, attempt, _ = queue.pop(i)
                     path = next_log_path(log_dir, job.name)
                     running[slot] = (job, attempt, launch(job, gpu, path), time.perf_counter())
                     event(start=job.name, gpu=gpu, attempt=attempt, log=os.path.basename(path))
                     log.info("start %s on GPU %s (attempt %d)", job.name, gpu, attempt)
                 if late() and queue:
-                    for job, _ in queue:
+                    for job, _, _ in queue:
                         event(skipped=job.name, reason="deadline")
                     queue = []
                 time.sleep(poll_s)
@@ -269,12 +287,13 @@ def run_queue(
                     if (rc := proc.poll()) is None:
                         continue
                     del running[slot]
+                    ended[slots[slot]] += 1
                     codes[job.name] = rc
                     seconds = time.perf_counter() - started
                     event(end=job.name, rc=rc, seconds=round(seconds, 1))
                     log.info("end %s rc=%d (%.0f s)", job.name, rc, seconds)
                     if rc != 0 and attempt < retries:
-                        queue.append((job, attempt + 1))
+                        queue.append((job, attempt + 1, (slots[slot], ended[slots[slot]])))
                         continue
                     for same in waiting.pop(job.name, []):
                         if rc == 0:
@@ -282,7 +301,7 @@ def run_queue(
                             codes[same.name] = 0
                             event(copied=job.name, to=same.name)
                         else:
-                            queue.append((dataclasses.replace(same, same_as=""), 0))
+                            queue.append((dataclasses.replace(same, same_as=""), 0, None))
         finally:
             for _, _, proc, _ in running.values():  # interrupted: leave no orphans
                 proc.terminate()
