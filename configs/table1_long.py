@@ -50,7 +50,7 @@ PILOT_LEARNING_RATES = {"pilot": 3e-5, "pilot_high_lr": 1e-4}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The long-regime Table 1; `arg`: a pilot of one machine (`PILOT_LEARNING_RATES`; module docstring)."""
+    """The long-regime Table 1; `arg`: a one-machine pilot (`PILOT_LEARNING_RATES`, docstring)."""
     c = small_gpu.get_config()
     c.tasks.update(kinds=("loop",), levels=(2, 3, 4, 5))
     c.sft.update(steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100, log_every=100)
@@ -95,9 +95,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         name=name,
         title="Table 1 analog, long responses: NVFP4 W/A/KV rollout, pass@1 after GRPO",
         seeds=seeds,
-        runs=tuple(
-            (m, {"rl.method": m, "rl.format": "nvfp4"})
-            for m in methods
-        ),
+        runs=tuple((m, {"rl.method": m, "rl.format": "nvfp4"}) for m in methods),
     )
     return c
