@@ -30,7 +30,8 @@ def _bf16(block_m, block_n, block_k, num_warps, num_stages) -> dict:
 _fp4 = _bf16  # same keywords; the FP4 kernel's block_k counts both planes (block_k / 2 each)
 
 # (block_m, block_n, block_k, num_warps, num_stages) per phase, beside the defaults ({}): their
-# neighbours and the runners-up of the H200 sweep in experiments/results/kernels_moe_matmul.json.
+# neighbours and the runners-up of the H200 sweep in experiments/results/kernels_moe_matmul.json of
+# commit 75f6f28.
 BF16_SWEEP = {
     "decode": [
         (16, 32, 128, 4, 4),

@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -353,8 +352,8 @@ def fp4_planes_as_f16(
 
     `packed` uint8 [...] -> two float16 [...] (the even and the odd elements). `inline_asm=True`
     decodes whole 32-bit words with PTX (Triton lowering only: inside a Pallas kernel on an NVIDIA
-    GPU, with a multiple of 4 elements per thread); the default jnp form is the same bit mapping
-    one element at a time (interpret mode, XLA, and the test reference of the PTX).
+    GPU; Triton pads a thread's elements to a multiple of 4); the default jnp form is the same bit
+    mapping one element at a time (interpret mode, XLA, and the test reference of the PTX).
     """
     if packed.dtype != jnp.uint8:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
@@ -369,11 +368,17 @@ def fp4_planes_as_f16(
             )[0]
             for shifts in _F16_PLANE_SHIFTS
         )
+    # The low nibble's mapping ignores bits 4-7, so it applies to the packed byte as is.
     p = packed.astype(jnp.uint16)
-    even = ((p & 0x07) << 9) | ((p & 0x08) << 12)
     odd = ((p & 0x70) << 5) | ((p & 0x80) << 8)
-    as_f16 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float16)
-    return as_f16(even), as_f16(odd)
+    return e2m1_codes_as_f16(packed), jax.lax.bitcast_convert_type(odd, jnp.float16)
+
+
+def e2m1_codes_as_f16(codes: jax.Array) -> jax.Array:
+    """E2M1 codes (uint8, one per byte in the low nibble; bits 4-7 ignored) as float16, value *
+    2**-14 (exact): the low-nibble plane of `fp4_planes_as_f16`, for codes stored one per byte."""
+    p = codes.astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(((p & 0x07) << 9) | ((p & 0x08) << 12), jnp.float16)
 
 
 def rcp_approx(m: jax.Array) -> jax.Array:

@@ -6,12 +6,23 @@ T = cdiv(M, block_m) row tiles.
 Design. Two program orders (`GRID_ORDERS`) share one tile product: over K in `block_k` steps,
 even and odd K columns contracted separately (two dots of K = block_k / 2 each): the packed weight
 bytes `[block_n, block_k // 2]` decode to their even and odd planes without an interleave
-(`common.fp4_planes_as_e4m3`: two bit operations per byte, then the hardware FP8 -> bf16 convert,
-values * 2**-6, exact), times the block scales; the activations arrive already split into even and
-odd columns (a copy outside the kernel), masked to the group's rows, FP4/FP8 codes decoded the
-same way; bfloat16 dots with float32 accumulation (Hopper has no FP4 tensor cores); the 2**-6
-factors are undone after the K loop, then the float32 sum is multiplied by the global scales (the
-expert's, and the per-row NVFP4 activation scale).
+(`common.fp4_planes_as_f16`: shifts and masks on whole 32-bit words in inline PTX, no convert
+instruction, values * 2**-14, exact; interpret mode runs the same bit mapping in jnp, the PTX's
+test reference), times the block scales; the activations arrive already split into even and odd
+columns (a copy outside the kernel), masked to the group's rows, FP4 codes decoded by the same
+mapping (jnp: one code per byte), FP8 codes by the hardware convert, times their block scales.
+The dots take one dtype per call (`_Statics.dot_dtype`): float16 where both operands are exact in
+it (NVFP4 weights and NVFP4 activations), bfloat16 otherwise (bf16 activations, E8M0 scales),
+float32 accumulation either way (Hopper has no FP4 tensor cores); the 2**-14 factors are undone
+after the K loop, then the float32 sum is multiplied by the global scales (the expert's, and the
+per-row NVFP4 activation scale). Why float16: with the E4M3 decode (bit operations per byte,
+then the FP8 -> bf16 convert, which Triton runs through float16) the decode, not the bytes, is
+the cost on the H200; the word-level float16 decode halves the decode body's time at the same
+error (experiments/results/moe_matmul_ablation.md, `full` against `f16asm`). bf16 activations
+keep a bf16 dot (float16 would round them: its range ends at 65504 and its normals at 2**-14): the
+weights still decode to float16, take their E4M3 block scales in float16 (exact) and convert to
+bf16 (exact): no per-byte bit operations nor FP8 convert, but the convert to bf16 stays, so
+this path gains less than the all-float16 one.
   * "groups" (default): the group-major grid of `kernels_pallas.grouped_matmul.kernel`
     (`group_major_call`, shared with the bf16 grouped matmul; its docstring has the design):
     program (j, g) walks group g's row tiles for N tile j, the tail program writes the rows of no
@@ -28,26 +39,35 @@ Tiles: Hopper's tensor cores take 16-deep K steps, so block_k = 64 gives each pl
 two of them per loaded tile; `default_block_config` takes block_k = 128 (prefill) or 256 (decode,
 where long K steps keep more weight bytes in flight).
 
-Numerics. A decoded operand is exact in bfloat16: E2M1 (2 significant bits) times an E4M3 scale
-(4 bits) or a power of two, and E4M3 elements times a power of two, all fit bfloat16's 8 bits and
-exponent range (for scales in the normal range). The dot's products are exact and accumulate in
-float32; only the NVFP4 global scales (arbitrary float32) are applied after the dot, as two
-float32 multiplications. The reference instead rounds `code * (block_scale * global_scale)` per
-element in float32, so the two agree to float32 summation error (see the tests' tolerance).
+Numerics. Every decoded operand is exact in the dot's dtype. E2M1 (2 significant bits) times an
+E4M3 scale (4 bits) times 2**-14 has at most 6 significant bits and is a multiple of 2**-24 below
+0.17: it fits float16 (subnormals included; the tensor cores and float16 arithmetic keep them)
+and bfloat16. E2M1 or E4M3 elements times an E8M0 power of two fit bfloat16 while nothing under-
+or overflows (FP4 operands: E8M0 block scales from about 2**-111 up). E4M3 elements times E4M3
+scales would pass float16's range, so every format but NVFP4 takes bfloat16. The dot's products
+are exact and accumulate in float32; only the NVFP4 global scales (arbitrary float32) are applied
+after the dot, as two float32 multiplications. The reference instead rounds `code * (block_scale
+* global_scale)` per element in float32, so the two agree to float32 summation error (see the
+tests' tolerance).
 
-GPU status: runs on the H200 (experiments/results/kernels_moe_matmul.md, 128 experts, K = 2048,
-N = 768, bf16 / NVFP4 activations): decode (M = 512) 0.145 / 0.241 ms, 2.9x / 1.8x faster than
-bf16 `ragged_dot` but slower than the bf16 Pallas grouped matmul (0.115 ms); prefill (M = 65536)
-176 / 106 TFLOP/s, 26% / 16% of the dense bf16 rate. The row-tile grid is 2.8x slower than the
-group-major one at M = 65536 and was 13x slower than `ragged_dot` at decode (history). JAX 0.11
-marks the Pallas Triton backend deprecated in favour of Mosaic GPU.
+GPU status: measured on the H200 (experiments/results/kernels_moe_matmul.md, 128 experts,
+K = 2048, N = 768, bf16 / NVFP4 activations, default tiles, side by side with the bf16 kernels):
+decode (M = 512) 0.109 / 0.136 ms, 4.1x / 5.2x its byte limit, 3.9x / 3.2x faster than bf16
+`ragged_dot` and level with the bf16 Pallas grouped matmul (0.110 ms, 1.19x its limit); prefill
+(M = 65536) 196 / 157 TFLOP/s, 29% / 23% of the dense bf16 rate (687). The same kernel with the
+E4M3 decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in an earlier run (expected from the
+ablation: 0.09-0.11 / 0.10-0.13 ms at decode; the bf16-activation path met it, the NVFP4 one
+missed it, its activation decode staying in jnp). The row-tile grid is 2.8x slower than the group-major one at M = 65536 and
+was 13x slower than `ragged_dot` at decode (history). JAX 0.11 marks the Pallas Triton backend
+deprecated in favour of Mosaic GPU.
 
-Hopper-specific: FP4 decoded to bf16 for bf16 tensor cores (Hopper has no FP4 ones) through the
-FP8 -> bf16 convert, and `default_block_config`'s tiles from the H200 sweep. On Blackwell the
-default order first tries "scaled_matmul" (cuDNN's native block-scaled FP4, `api.py`): a first
-Blackwell run should check that it lowers and matches the reference, then this kernel's
-tolerances, then re-sweep the tiles (148 SMs on a B200). The TPU lowering (megablox's
-visit list, VMEM accumulation) is `mosaic.py`.
+Hopper-specific: FP4 decoded to float16 or bf16 for 16-bit tensor cores (Hopper has no FP4
+ones) by the word-level PTX (valid on any NVIDIA GPU, timed only on the H200), and
+`default_block_config`'s tiles from the H200 sweep (run with the E4M3 decode: a re-sweep may
+move them, the decode costing less). On Blackwell the default order first tries
+"scaled_matmul" (cuDNN's native block-scaled FP4, `api.py`): a first Blackwell run should check
+that it lowers and matches the reference, then this kernel's tolerances, then re-sweep the tiles
+(148 SMs on a B200). The TPU lowering (megablox's visit list, VMEM accumulation) is `mosaic.py`.
 """
 
 from __future__ import annotations
@@ -61,11 +81,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import (
-    E4M3_ALIGN,
+    F16_ALIGN,
     as_e4m3,
     decode_scale_bits,
-    e2m1_codes_as_e4m3,
-    fp4_planes_as_e4m3,
+    e2m1_codes_as_f16,
+    fp4_planes_as_f16,
     scale_bits,
     triton_params,
 )
@@ -122,7 +142,8 @@ def default_block_config(
 ) -> BlockConfig:
     """Tiles of the "groups" grid for M rows over G groups, `[M, K] x [G, N, K]`, with activations
     in `lhs_fmt` (None: bfloat16), from the H200 sweep (`experiments/results/
-    kernels_moe_matmul.json`, G = 128, K = 2048, N = 768, NVFP4 weights).
+    kernels_moe_matmul.json` of commit 75f6f28, G = 128, K = 2048, N = 768, NVFP4 weights,
+    E4M3 decode).
 
     Row tiles of `grouped_matmul.kernel.row_tile`, at most 256 rows (128 with quantized
     activations, which every N tile decodes again: wider N tiles pay off more there than taller
@@ -185,6 +206,16 @@ def tile_group_ranges(group_sizes: jax.Array, m: int, block_m: int):
     return bounds, first, end
 
 
+def _exact_dtype(fmt: fp4.BlockFormat | None) -> jnp.dtype:
+    """The 16-bit float that holds every decoded operand value of `fmt` exactly (None: bfloat16
+    activations): float16 for E2M1 codes times E4M3 block scales (times the FP4 decode's 2**-14:
+    at most 6 significant bits, multiples of 2**-24 below 0.17); bfloat16 otherwise (E8M0 scales
+    need its exponent range, E4M3 codes times E4M3 scales its range past 65504)."""
+    if fmt is not None and fmt.is_fp4 and fmt.scale is fp4.ScaleType.E4M3:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.bfloat16)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Statics:
     m: int
@@ -195,12 +226,21 @@ class _Statics:
     lhs_fmt: fp4.BlockFormat | None
     w_fmt: fp4.BlockFormat
     out_dtype: jnp.dtype
+    inline_asm: bool  # the weights' FP4 decode in PTX (compiled Triton only)
+
+    @property
+    def dot_dtype(self) -> jnp.dtype:
+        """float16 where both operands are exact in it (NVFP4 x NVFP4), else bfloat16: a bf16
+        activation or an E8M0 scale does not fit float16, while float16 operands fit bfloat16."""
+        if _exact_dtype(self.lhs_fmt) == _exact_dtype(self.w_fmt) == jnp.float16:
+            return jnp.dtype(jnp.float16)
+        return jnp.dtype(jnp.bfloat16)
 
     @property
     def unscale(self) -> float:
-        """Undoes the 2**-6 of every FP4 operand's E4M3-aligned decode."""
+        """Undoes the 2**-14 of every FP4 operand's float16-aligned decode."""
         fp4_operands = 1 + (self.lhs_fmt is not None and self.lhs_fmt.is_fp4)
-        return (1.0 / E4M3_ALIGN) ** fp4_operands
+        return (1.0 / F16_ALIGN) ** fp4_operands
 
     @property
     def num_lhs_refs(self) -> int:
@@ -215,12 +255,19 @@ def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
     return jnp.broadcast_to(s[:, :, None], (r, nb, block)).reshape(r, nb * block)
 
 
+def _scaled(values: jax.Array, scales: jax.Array, st: _Statics) -> jax.Array:
+    """`values * scales` as a dot operand of `st.dot_dtype`, exactly: both are in the scales' dtype
+    (`_exact_dtype` of their format), so is the product, and a float16 product is also exact in
+    bfloat16 (at most 6 significant bits, at least 2**-24)."""
+    return (values.astype(scales.dtype) * scales).astype(st.dot_dtype)
+
+
 def _lhs_planes(
     lhs_refs, k0, in_group, st: _Statics, rows=slice(None)
 ) -> tuple[jax.Array, jax.Array]:
-    """Even and odd K columns of the activations at K offset k0, bfloat16 `[block_m, block_k/2]`
-    each, times 2**-6 for FP4 activations; rows outside the group are 0. `rows` picks the row
-    tile inside the refs (all of a row-panel block; a `pl.ds` of the whole array).
+    """Even and odd K columns of the activations at K offset k0, `st.dot_dtype` `[block_m,
+    block_k/2]` each, times 2**-14 for FP4 activations; rows outside the group are 0. `rows`
+    picks the row tile inside the refs (all of a row-panel block; a `pl.ds` of the whole array).
 
     lhs_refs hold the even and odd columns as separate arrays (split outside the kernel: a copy
     of the activations, small next to the weights), then scale bits and the NVFP4 row scale.
@@ -229,101 +276,92 @@ def _lhs_planes(
     mask = jnp.broadcast_to(in_group[:, None], (bm, half))
     cols = pl.ds(pl.multiple_of(k0 // 2, half), half)
     if st.lhs_fmt is None:
-        return tuple(plgpu.load(r.at[rows, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
+        # bf16 (dot_dtype is bf16 here; the cast keeps a dtype change from turning the dot into
+        # a mixed one that promotes to float32).
+        loads = (plgpu.load(r.at[rows, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
+        return tuple(a.astype(st.dot_dtype) for a in loads)
     fmt = st.lhs_fmt
     nb = st.block_k // fmt.block_size
     s_mask = jnp.broadcast_to(in_group[:, None], (bm, nb))
     sbit_cols = pl.ds(k0 // fmt.block_size, nb)
     sbits = plgpu.load(lhs_refs[2].at[rows, sbit_cols], mask=s_mask, other=0)
     # Per plane, a scale block covers block_size / 2 consecutive columns.
-    scales = _expand_blocks(decode_scale_bits(sbits, fmt).astype(jnp.bfloat16), fmt.block_size // 2)
+    scales = _expand_blocks(
+        decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt)), fmt.block_size // 2
+    )
     planes = []
     for r in lhs_refs[:2]:
         codes = plgpu.load(r.at[rows, cols], mask=mask, other=0)
-        # FP4 codes -> E4M3 bits (value * 2**-6); FP8 codes are E4M3 already.
-        f8 = e2m1_codes_as_e4m3(codes) if fmt.is_fp4 else as_e4m3(codes)
-        planes.append(f8.astype(jnp.bfloat16) * scales)
+        # FP4 codes -> float16 bits (value * 2**-14); FP8 codes are E4M3 already. One code per
+        # byte and a tile far smaller than the weights' at decode: the jnp form, no PTX.
+        values = e2m1_codes_as_f16(codes) if fmt.is_fp4 else as_e4m3(codes)
+        planes.append(_scaled(values, scales, st))
     return planes[0], planes[1]
 
 
 def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
-    """Even and odd K columns of expert g's weights at K offset k0, bfloat16 `[block_n,
-    block_k/2]` each, times 2**-6 and the block scales (not the global scale)."""
+    """Even and odd K columns of expert g's weights at K offset k0, `st.dot_dtype` `[block_n,
+    block_k/2]` each, times 2**-14 and the block scales (not the global scale)."""
     fmt = st.w_fmt
     half = pl.multiple_of(k0 // 2, st.block_k // 2)
     packed = w_refs[0][g, :, pl.ds(half, st.block_k // 2)]  # [bn, bk / 2]: byte i = (2i, 2i + 1)
     sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, st.block_k // fmt.block_size)]
-    scales = _expand_blocks(decode_scale_bits(sbits, fmt).astype(jnp.bfloat16), fmt.block_size // 2)
-    even, odd = fp4_planes_as_e4m3(packed)
-    return even.astype(jnp.bfloat16) * scales, odd.astype(jnp.bfloat16) * scales
+    scales = _expand_blocks(
+        decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt)), fmt.block_size // 2
+    )
+    # Shifts and masks on whole words, no convert instruction (`common.fp4_planes_as_f16`).
+    even, odd = fp4_planes_as_f16(packed, inline_asm=st.inline_asm)
+    return _scaled(even, scales, st), _scaled(odd, scales, st)
+
+
+def _tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
+    """The one tile product: the row window `rows` of the lhs refs (masked to `in_tile`) times
+    group g's weights over the program's N tile, float32 `[block_m, block_n]`, every scale
+    applied. The "groups" grid's hook (`grouped_matmul.kernel.group_major_call`) and the
+    row-tile kernel's per-group step. `in_refs`: the lhs refs, then the weight refs."""
+    lhs_refs = in_refs[: st.num_lhs_refs]
+    w_refs = in_refs[st.num_lhs_refs :]
+
+    def k_step(kk, acc):
+        # K split into even and odd columns: packed weight bytes decode without interleave.
+        k0 = pl.multiple_of(kk * st.block_k, st.block_k)
+        a_even, a_odd = _lhs_planes(lhs_refs, k0, in_tile, st, rows)  # [bm, bk / 2] each
+        w_even, w_odd = _weight_planes(w_refs, g, k0, st)  # [bn, bk / 2] each
+        acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
+
+    bm, bn = st.block_m, st.block_n
+    acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
+    acc = acc * st.unscale  # the FP4-decode factors, powers of two: exact
+    if st.w_fmt.has_global_scale:
+        acc = acc * w_refs[2][g]
+    if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
+        acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_tile, other=1.0)[:, None]
+    return acc
 
 
 def _kernel(*refs, st: _Statics):
+    """The "row_tiles" grid's program (i, j): row tile i over the groups that touch it."""
     bounds_ref, first_ref, end_ref = refs[:3]
-    lhs_refs = refs[3 : 3 + st.num_lhs_refs]
-    w_refs = refs[3 + st.num_lhs_refs : -1]
-    out_ref = refs[-1]
+    in_refs, out_ref = refs[3:-1], refs[-1]
     bm, bn = st.block_m, st.block_n
-
     i = pl.program_id(0)
     rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
-    in_bounds = rows < st.m
-    row_scale = None
-    if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
-        row_scale = plgpu.load(lhs_refs[3], mask=in_bounds, other=1.0)[:, None]  # [bm, 1]
 
     def group_step(g, acc):
         lo = bounds_ref[g]
         hi = bounds_ref[g + 1]
         in_group = (rows >= lo) & (rows < hi)
 
-        def k_step(kk, acc_g):
-            # K split into even and odd columns: packed weight bytes decode without interleave.
-            k0 = pl.multiple_of(kk * st.block_k, st.block_k)
-            a_even, a_odd = _lhs_planes(lhs_refs, k0, in_group, st)  # [bm, bk / 2] each
-            w_even, w_odd = _weight_planes(w_refs, g, k0, st)  # [bn, bk / 2] each
-            acc_g = acc_g + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
-            return acc_g + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
-
         def visit(acc):
-            acc_g = jax.lax.fori_loop(
-                0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32)
-            )
-            acc_g = acc_g * st.unscale  # the FP8-decode factors, powers of two: exact
-            if st.w_fmt.has_global_scale:
-                acc_g = acc_g * w_refs[2][g]
-            if row_scale is not None:
-                acc_g = acc_g * row_scale
+            acc_g = _tile_product(in_refs, g, slice(None), in_group, st=st)
             return jnp.where(in_group[:, None], acc_g, acc)
 
         return jax.lax.cond(hi > lo, visit, lambda acc: acc, acc)
 
     acc = jax.lax.fori_loop(first_ref[i], end_ref[i], group_step, jnp.zeros((bm, bn), jnp.float32))
-    out_mask = jnp.broadcast_to(in_bounds[:, None], (bm, bn))
+    out_mask = jnp.broadcast_to((rows < st.m)[:, None], (bm, bn))
     plgpu.store(out_ref, acc.astype(st.out_dtype), mask=out_mask)
-
-
-def _group_major_tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
-    """The "groups" grid's hook (`grouped_matmul.kernel.group_major_call`): the row window
-    `rows` of group g times the program's N tile, float32 `[block_m, block_n]`."""
-    lhs_refs = in_refs[: st.num_lhs_refs]
-    w_refs = in_refs[st.num_lhs_refs :]
-
-    def k_step(kk, acc):
-        k0 = pl.multiple_of(kk * st.block_k, st.block_k)
-        a_even, a_odd = _lhs_planes(lhs_refs, k0, in_tile, st, rows)
-        w_even, w_odd = _weight_planes(w_refs, g, k0, st)
-        acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
-        return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
-
-    bm, bn = st.block_m, st.block_n
-    acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
-    acc = acc * st.unscale
-    if st.w_fmt.has_global_scale:
-        acc = acc * w_refs[2][g]
-    if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
-        acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_tile, other=1.0)[:, None]
-    return acc
 
 
 def fp4_moe_matmul_pallas(
@@ -365,7 +403,7 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     bm, bn = config.block_m, config.block_n
     num_tiles = pl.cdiv(m, bm)
     lhs_fmt = lhs_format(lhs)
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype, not interpret)
 
     def whole(size):
         return pl.BlockSpec((size,), lambda i, j: (0,))
@@ -417,7 +455,7 @@ def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
     lhs_fmt = lhs_format(lhs)
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype, not interpret)
     mp = padded_rows(m, bm)
 
     def whole(*shape):
@@ -446,7 +484,7 @@ def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
         operands.append(rhs.global_scale.reshape(g))
         in_specs.append(whole(g))
     out = group_major_call(
-        functools.partial(_group_major_tile_product, st=st),
+        functools.partial(_tile_product, st=st),
         operands,
         in_specs,
         group_sizes,

@@ -97,14 +97,16 @@ def row_tile(m: int, g: int, cap: int) -> int:
     """Rows per tile for M rows over G groups: 1.5 x the mean group size as a power of two, within
     [MIN_DOT_DIM, cap]. Random routing spreads group sizes around the mean; a tile that holds most
     groups whole reads each weight tile once per group (H200, 8192 rows over 128 experts, bf16:
-    128-row tiles 0.13 ms, 64-row tiles 0.18 ms; `kernels_moe_matmul.json`)."""
+    128-row tiles 0.13 ms, 64-row tiles 0.18 ms; `kernels_moe_matmul.json` of commit 75f6f28, the
+    full tile sweep)."""
     rows = pl.cdiv(3 * m, 2 * max(g, 1))
     return int(min(cap, max(MIN_DOT_DIM, pl.next_power_of_2(max(1, rows)))))
 
 
 def default_block_config(m: int, g: int, k: int, n: int, *, itemsize: int = 2) -> BlockConfig:
     """Tiles for M rows over G groups, `[M, K] x [G, N, K]`, from the H200 sweep
-    (`experiments/results/kernels_moe_matmul.json`, G = 128, K = 2048, N = 768).
+    (`experiments/results/kernels_moe_matmul.json` of commit 75f6f28, G = 128, K = 2048,
+    N = 768).
 
     Decode (a few rows per group, 16-row tiles): 64 x 128 weight tiles, four load stages: the
     phase reads the weights once, and deep pipelining keeps bytes in flight (1.1-1.3x the byte

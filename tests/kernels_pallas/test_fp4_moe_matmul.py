@@ -4,15 +4,15 @@ One test base runs the shared cases through the api with a given implementation;
 is a short subclass. Shapes: M = 40 rows (not a multiple of block_m = 16), K = 64, N = 32, G = 4,
 with ragged group sizes (an empty group, a group of one, sum < M so trailing rows must be 0).
 
-Tolerance (outputs in float32): |out - ref| <= 1e-5 * (|a| @ |w|^T), per element, where |a|, |w|
-are the dequantized magnitudes. Why: the kernel's bfloat16 operands are exact (an E2M1 or E4M3
-code times its block scale fits bfloat16; see kernel.py), so kernel and reference add the same
+Tolerance (outputs in float32): |out - ref| <= 1e-5 * (|a| @ |w|^T), per element, where |a|, |w| are
+the dequantized magnitudes. Why: the kernel's float16 / bfloat16 operands are exact (an E2M1 or E4M3
+code times its block scale fits its dot dtype; see kernel.py), so kernel and reference add the same
 exact products in float32 and differ only by summation order, <= (K - 1) * 2**-24 ~ 3.8e-6 of the
 sum of magnitudes, plus a few float32 roundings where the NVFP4 global scales are applied
-(reference: per element, kernel: after the dot), ~2.4e-7. 1e-5 is over twice that bound; an error
-in a scale or a code is far larger (a kernel without the weights' global scale, or with its
-nibbles swapped, misses by ~5e7 times the bound). The "xla" implementation is the reference and must
-match it bit for bit.
+(reference: per element, kernel: after the dot), ~2.4e-7. 1e-5 is over twice that bound; an error in
+a scale or a code is far larger (a kernel without the weights' global scale, or with its nibbles
+swapped, misses by ~5e7 times the bound). The "xla" implementation is the reference and must match
+it bit for bit.
 """
 
 from __future__ import annotations
@@ -230,6 +230,36 @@ def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid):
             lhs, rhs, gs
         )
     assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+
+
+def _wide_range(shape, fmt, seed):
+    """float32 normal values whose blocks along the last axis span many binades: NVFP4 blocks
+    2**-20..1 (block scales across E4M3's range, subnormals and flushes included), others
+    2**-40..2**40 (E8M0 scales and bf16 values past float16's range both ways)."""
+    block = 16 if fmt is None else fmt.block_size
+    lo, hi = (-20, 0) if fmt is not None and fmt.has_global_scale else (-40, 40)
+    k_exp, k_val = jax.random.split(jax.random.key(seed))
+    exps = jax.random.randint(k_exp, (*shape[:-1], shape[-1] // block), lo, hi + 1)
+    scale = jnp.exp2(jnp.repeat(exps, block, axis=-1).astype(jnp.float32))
+    return jax.random.normal(k_val, shape, jnp.float32) * scale
+
+
+WIDE_RANGE_FORMATS = [(fp4.NVFP4, None), (fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)]
+
+
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), WIDE_RANGE_FORMATS, ids=_id)
+def test_operands_across_their_formats_range(w_fmt, a_fmt):
+    """Every decoded operand stays exact in the kernel's dot dtype (float16 for NVFP4 x NVFP4,
+    bfloat16 otherwise) from the bottom to the top of its format's range, so the product still
+    matches the reference to float32 summation: a float16 operand that cannot hold a bf16 value,
+    an E8M0 scale or an E4M3 subnormal scale (inf, 0 or rounded) misses by far more."""
+    x = _wide_range((M, K), a_fmt, seed=5)
+    lhs = x.astype(jnp.bfloat16) if a_fmt is None else fp4.quantize(x, a_fmt)
+    rhs = pack_weights(_wide_range((G, N, K), w_fmt, seed=6), w_fmt)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    tiling = dict(block_m=16, block_n=16, block_k=32, grid="groups", interpret=True)
+    out = fp4_moe_matmul(lhs, rhs, gs, implementation="pallas", out_dtype=jnp.float32, **tiling)
+    assert_matches_reference(out, lhs, rhs, gs, exact=False)
 
 
 def test_tile_group_ranges_brute_force():
