@@ -9,7 +9,9 @@ with and without routing replay; `off` on a BF16 rollout is the reference pair.
 The experiment config says the policy (`model`, `seed`; `rl.init_from`: a trained policy, e.g.
 the SFT warm start, on task prompts of `tasks.levels`, instead of a random one on random
 prompts), the recipe (`rl.format`, `rl.guided_layers`) and the sampling (`rl.max_new_tokens`,
-`rl.temperature`); the `gap` section (`GapConfig`) the batch.
+`rl.temperature`); the `gap` section (`GapConfig`) the batch. `sample_pair` and
+`score_fp4_rollout` are the two halves, for studies that score one rollout many ways
+(`trace_jax.tables.layer_study`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4, tasks
-from trace_jax.models import init_model
-from trace_jax.quant import SiteMode, quant_recipe
+from trace_jax.models import Qwen3MoE, init_model
+from trace_jax.quant import QuantConfig, SiteMode, quant_recipe
 from trace_jax.quant.config import GUIDABLE_SITES
 from trace_jax.rl.checkpoint import load_params
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rollout import SamplingConfig, generate
-from trace_jax.train import train_forward
+from trace_jax.rollout import Rollout, SamplingConfig, generate
+from trace_jax.train import TrainForward, train_forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,32 +106,48 @@ def _prompts(config: ExperimentConfig, gap: GapConfig, model, k_prompt, k_len):
     return prompts, lengths, sampling, policy
 
 
-def _guided_stats(out, guided_keys) -> dict[str, float]:
-    """Code mismatch over the guided sites and the share of mismatches one code apart."""
-    stats = [out.stats[k] for k in guided_keys]
-    n_el = sum(int(s["n_elements"]) for s in stats)
-    n_mis = sum(int(s["n_mismatch"]) for s in stats)
-    n_one = sum(int(s["n_one_apart"]) for s in stats)
+def pooled_mismatch(stats: dict, keys) -> dict[str, float]:
+    """Code mismatch pooled over the sites `keys` of a forward's `stats` (elements counted, so
+    wider sites weigh more) and the share of mismatches one adjacent code apart; NaN with no
+    keys."""
+    chosen = [stats[k] for k in keys]
+    n_el = sum(int(s["n_elements"]) for s in chosen)
+    n_mis = sum(int(s["n_mismatch"]) for s in chosen)
+    n_one = sum(int(s["n_one_apart"]) for s in chosen)
     return {
-        "code_mismatch": n_mis / max(n_el, 1),
+        "code_mismatch": n_mis / n_el if n_el else float("nan"),
         "one_apart_fraction": n_one / n_mis if n_mis else float("nan"),
     }
 
 
-def measure_gap(config: ExperimentConfig, gap: GapConfig) -> GapResult:
-    """Measures the gap in every mode (module docstring)."""
-    n_layers, rl = config.model.n_layers, config.rl
-    # "" keeps the recipe's own guided layers (the deeper half).
-    spec = {"guided_layers": rl.guided_layers} if rl.guided_layers else {}
-    qcfg = quant_recipe(rl.format, **spec)
-    layers = qcfg.layers_guided(n_layers)
+# The teacher-forced forward, compiled once per recipe, mode and replay.
+score = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay", "temperature"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPair:
+    """One policy's two rollouts of one batch, from the same prompts and sampling key.
+
+    model: the policy. fp4: the FP4 W/A/KV rollout; `fp4.guidance` holds full codes of every
+    quantized site (the reference of every trainer mode's mismatch). bf16_pair: `gap_metrics`
+    and router agreement of the bf16 forward against the BF16 rollout (the floor two bf16
+    programs set). policy: what sampled, in words.
+    """
+
+    model: Qwen3MoE
+    fp4: Rollout
+    bf16_pair: dict[str, float]
+    policy: str
+
+
+def sample_pair(config: ExperimentConfig, gap: GapConfig, qcfg: QuantConfig) -> RolloutPair:
+    """Samples the BF16 and the FP4 rollout of `config`'s policy (module docstring); the FP4
+    rollout does not depend on `qcfg`'s guided layers, so one serves every guided-layer set."""
+    n_layers = config.model.n_layers
     k_prompt, k_len, k_sample = jax.random.split(jax.random.key(config.seed), 3)
     model = init_model(config.model, seed=config.seed)
     prompts, lengths, sampling, policy = _prompts(config, gap, model, k_prompt, k_len)
     graphdef, params = nnx.split(model)
-    guided_keys = qcfg.guided_keys(n_layers)
-    fwd = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay", "temperature"))
-    temperature = rl.temperature
 
     def rollout(mode, **capture):
         return generate(
@@ -138,52 +156,85 @@ def measure_gap(config: ExperimentConfig, gap: GapConfig) -> GapResult:
         )  # fmt: skip
 
     roll_bf16 = rollout(SiteMode.OFF)
-    off = fwd(model, roll_bf16, qcfg=qcfg, mode=SiteMode.OFF, temperature=temperature)
+    temperature = config.rl.temperature
+    off = score(model, roll_bf16, qcfg=qcfg, mode=SiteMode.OFF, temperature=temperature)
+    bf16_pair = {
+        **gap_metrics(off.logprobs, roll_bf16.logprobs, roll_bf16.response_mask),
+        "router_agreement": router_agreement(
+            off.expert_choices, roll_bf16.expert_choices, roll_bf16.processed
+        ),
+    }
+    roll = rollout(
+        SiteMode.RTN, capture=qcfg.all_keys(n_layers), capture_mode=fp4.GuidanceMode.FULL
+    )
+    return RolloutPair(model=model, fp4=roll, bf16_pair=bf16_pair, policy=policy)
+
+
+def score_fp4_rollout(
+    pair: RolloutPair,
+    qcfg: QuantConfig,
+    mode: SiteMode,
+    *,
+    replay: bool,
+    guidance: dict[str, fp4.Guidance] | None,
+    temperature: float,
+) -> tuple[TrainForward, dict[str, float]]:
+    """The training forward in `mode` on `pair.fp4`, and its `gap_metrics` and router agreement
+    against that rollout (statistics in `.stats` for every quantized site)."""
+    roll = pair.fp4
+    out = score(
+        pair.model, roll, qcfg=qcfg, mode=mode, replay=replay, guidance=guidance,
+        reference=roll.guidance, temperature=temperature,
+    )  # fmt: skip
+    agreement = router_agreement(out.expert_choices, roll.expert_choices, roll.processed)
+    metrics = gap_metrics(out.logprobs, roll.logprobs, roll.response_mask)
+    return out, {**metrics, "router_agreement": agreement}
+
+
+def guidance_bytes_per_token(guidance: dict[str, fp4.Guidance] | None, roll: Rollout) -> float:
+    """Guidance bytes held per token slot of `roll` (its buffers' padding slots not counted)."""
+    slots = roll.tokens.shape[0] * roll.tokens.shape[1]
+    return sum(g.nbytes for g in guidance.values()) / slots if guidance else 0.0
+
+
+def measure_gap(config: ExperimentConfig, gap: GapConfig) -> GapResult:
+    """Measures the gap in every mode (module docstring)."""
+    n_layers, rl = config.model.n_layers, config.rl
+    # "" keeps the recipe's own guided layers (the deeper half).
+    spec = {"guided_layers": rl.guided_layers} if rl.guided_layers else {}
+    qcfg = quant_recipe(rl.format, **spec)
+    guided_keys = qcfg.guided_keys(n_layers)
+    pair = sample_pair(config, gap, qcfg)
     rows = [
         {
             "mode": "off (bf16 pair)",
             "replay": False,
-            **gap_metrics(off.logprobs, roll_bf16.logprobs, roll_bf16.response_mask),
+            **pair.bf16_pair,
             "code_mismatch": float("nan"),
             "one_apart_fraction": float("nan"),
-            "router_agreement": router_agreement(
-                off.expert_choices, roll_bf16.expert_choices, roll_bf16.processed
-            ),
             "guidance_bytes_per_token": 0.0,
         }
     ]
-    # The FP4 rollout records full codes at every site: the reference of every mode's mismatch.
-    roll = rollout(
-        SiteMode.RTN, capture=qcfg.all_keys(n_layers), capture_mode=fp4.GuidanceMode.FULL
-    )
-    reference = roll.guidance
-    full = {k: reference[k] for k in guided_keys}
+    full = {k: pair.fp4.guidance[k] for k in guided_keys}
     compact = {k: fp4.to_compact(g) for k, g in full.items()}
-    # Bytes held per token slot (the buffers' padding slots are not counted).
-    slots = roll.tokens.shape[0] * roll.tokens.shape[1]
     per_site = []
     for label, mode, guidance in [
         ("rtn", SiteMode.RTN, None),
         ("guided full", SiteMode.GUIDED, full),
         ("guided compact", SiteMode.GUIDED, compact),
     ]:
-        gbytes = sum(g.nbytes for g in guidance.values()) / slots if guidance else 0.0
         for replay in (False, True):
-            out = fwd(
-                model, roll, qcfg=qcfg, mode=mode, replay=replay, guidance=guidance,
-                reference=reference, temperature=temperature,
-            )  # fmt: skip
+            out, metrics = score_fp4_rollout(
+                pair, qcfg, mode, replay=replay, guidance=guidance, temperature=rl.temperature
+            )
             fallback = sum(int(c["rows"]) - int(c["guided_rows"]) for c in out.coverage.values())
             rows.append(
                 {
                     "mode": label,
                     "replay": replay,
-                    **gap_metrics(out.logprobs, roll.logprobs, roll.response_mask),
-                    **_guided_stats(out, guided_keys),
-                    "router_agreement": router_agreement(
-                        out.expert_choices, roll.expert_choices, roll.processed
-                    ),
-                    "guidance_bytes_per_token": gbytes,
+                    **metrics,
+                    **pooled_mismatch(out.stats, guided_keys),
+                    "guidance_bytes_per_token": guidance_bytes_per_token(guidance, pair.fp4),
                     "rtn_fallback_rows": fallback,
                 }
             )
@@ -194,4 +245,5 @@ def measure_gap(config: ExperimentConfig, gap: GapConfig) -> GapResult:
                 for site in GUIDABLE_SITES
                 if f"{layer}/{site}" in out.stats
             ]  # fmt: skip
-    return GapResult(rows=rows, per_site=per_site, guided_layers=tuple(layers), policy=policy)
+    layers = qcfg.layers_guided(n_layers)
+    return GapResult(rows=rows, per_site=per_site, guided_layers=layers, policy=pair.policy)
