@@ -147,10 +147,20 @@ def test_mini_batches_must_split_the_batch():
         mini_batch_slices(6, 4)
 
 
-def test_mismatch_steps_log_per_site_code_mismatch(tmp_path):
+def test_mismatch_steps_log_per_site_code_mismatch(tmp_path, monkeypatch):
     """On a mismatch step the rollout records full codes at every FP4 site; the trainer's codes
     are compared per site. TRACE's guided sites match the rollout far better than vanilla FP4
     QAT's round-to-nearest at the same sites; the run's own guidance is unchanged (compact)."""
+    trained_on = []
+
+    def no_update(model, optimizer, rollout, *args, **kwargs):
+        # The trainer measures before it updates and the runs take one step: the update itself
+        # is not needed, which spares compiling a 4-block training step per method (the GRPO
+        # step has its own tests). It records the guidance the update gets.
+        trained_on.append(rollout.guidance)
+        return {"loss": np.float32(0.0), "grad_norm": np.float32(0.0)}
+
+    monkeypatch.setattr(workers, "grpo_step", no_update)
     rows = {}
     for method in ("trace", "fp4_qat"):
         cd = tiny.experiment_config()
@@ -177,7 +187,13 @@ def test_mismatch_steps_log_per_site_code_mismatch(tmp_path):
     assert sum(trace[k] for k in guided) < sum(qat[k] for k in guided)
     assert 0 < qat["code_mismatch"] < 0.05 and 0.5 < qat["one_apart_fraction"] <= 1
     assert 0 <= trace["code_mismatch"] < qat["code_mismatch"]
-    assert trace["guidance_rtn_fallback_rows"] == 0
+    # TRACE's update gets the run's compact guidance of every row at its guided sites (the
+    # deeper half), not the full codes recorded for the measurement; FP4 QAT's gets none.
+    trace_guidance, qat_guidance = trained_on
+    assert sorted(trace_guidance) == sorted(k.removeprefix("mismatch/") for k in guided)
+    for g in trace_guidance.values():
+        assert g.mode is fp4.GuidanceMode.COMPACT and g.payload.shape[0] == 4
+    assert not qat_guidance
 
 
 def test_mismatch_metrics_only_from_measured_codes():

@@ -12,7 +12,7 @@ from flax import nnx
 from tests import tiny
 from tests.models.rounding import ELEMENTWISE, U32, decided, logits_bound, routing_decided
 from trace_jax import fp4
-from trace_jax.models import ModelConfig, PackedLayerKVCache, init_cache, init_model
+from trace_jax.models import PackedLayerKVCache, init_cache, init_model
 from trace_jax.quant import QuantConfig, SiteMode
 from trace_jax.rollout import Rollout, SamplingConfig, generate
 from trace_jax.rollout.sampler import pack_rows, unpack_rows
@@ -324,7 +324,8 @@ def test_mxfp4_rollout_is_finite():
         m, prompts, lengths, qcfg=qcfg, mode=SiteMode.RTN, capture=qcfg.guided_keys(cfg.n_layers)
     )
     assert np.isfinite(np.asarray(r.logprobs)).all()
-    out = train_forward(m, r, qcfg=qcfg, mode=SiteMode.GUIDED, replay=True)
+    guided = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay"))
+    out = guided(m, r, qcfg=qcfg, mode=SiteMode.GUIDED, replay=True)
     assert np.isfinite(np.asarray(out.logprobs)).all()
 
 
@@ -349,10 +350,9 @@ def test_bf16_decode_matches_teacher_forced_forward():
     assert diff.max() < 0.05 and diff.mean() < 5e-3, (diff.max(), diff.mean())
 
 
-def _pallas_and_xla_rollouts(dtype):
-    # The `tiny` preset itself (the issue's criterion: same greedy tokens on `tiny`); the kernel
-    # needs Dh >= 32.
-    cfg = ModelConfig.tiny(head_dim=32, init_std=0.08, dtype=dtype)
+def _pallas_and_xla_rollouts(dtype, n_layers):
+    # The kernel needs Dh >= 32.
+    cfg = tiny.model_config(n_layers=n_layers, head_dim=32, init_std=0.08, dtype=dtype)
     m = init_model(cfg, seed=0)
     prompts, lengths = _prompts()
     keys = QCFG.all_keys(cfg.n_layers)
@@ -374,12 +374,13 @@ SAME_INPUT_SITES = ("0/k", "0/v", "0/expert_in")
 def test_pallas_implementation_matches_xla():
     """implementation="pallas" (interpret mode here: fused quantize + capture, FP4 decode
     attention, FP4 MoE matmul on weights packed once) in float32 compute: the same greedy tokens
-    as the XLA path (the smallest greedy lead here is 5e-3, the paths' log-probs differ by ~5e-7);
+    as the XLA path (the smallest greedy lead here is 3e-2, the paths' log-probs differ by ~7e-7);
     identical guidance where both paths see identical inputs; elsewhere the kernels sum in another
     order, which flips a code only where a value sits within rounding of an FP4 rounding boundary:
     at most 1% of a site's codes and block scales (none measured; a wiring error, another layer's
-    weights or a lost scale, changes most codes from the first layer it enters)."""
-    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.float32)
+    weights or a lost scale, changes most codes from the first layer it enters). The 2-block
+    tiny model: its first and last block hold every site kind and the path between blocks."""
+    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.float32, tiny.N_LAYERS)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     proc = np.asarray(a.processed)
     for k in keys:
@@ -400,8 +401,10 @@ def test_pallas_implementation_close_to_xla_in_bf16():
     decode exact FP4 values, apply global scales in float32 and keep float16 probabilities. FP4
     sites turn these differences into code flips that compound with depth, so: greedy tokens
     (measured: all equal) at most one apart, response log-probs within 0.2 (measured 0.13), and
-    in layer 0, where both paths see identical inputs, (almost) the same codes."""
-    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.bfloat16)
+    in layer 0, where both paths see identical inputs, (almost) the same codes. The `tiny`
+    preset's 4 blocks (on 2 blocks of this seed two greedy tokens differ: the bound is a
+    measurement of this model)."""
+    a, b, keys, prompt = _pallas_and_xla_rollouts(jnp.bfloat16, 4)
     resp = np.asarray(a.response_mask) & np.asarray(b.response_mask)
     ta, tb = np.asarray(a.tokens), np.asarray(b.tokens)
     assert (ta != tb)[resp].sum() <= 1

@@ -70,7 +70,11 @@ def _agreement(out, keys):
 
 def test_replay_reproduces_expert_choices(setup):
     model, roll = setup
-    out = train_forward(model, roll, qcfg=QCFG, mode=SiteMode.RTN, replay=True)
+    # The computation of the RTN trainer in the next test (with the rollout's codes as the
+    # reference): compiled once for both.
+    out = train_forward_jit(
+        model, roll, qcfg=QCFG, mode=SiteMode.RTN, replay=True, reference=roll.guidance
+    )
     proc = np.asarray(roll.processed)
     np.testing.assert_array_equal(
         np.asarray(out.expert_choices)[:, proc], np.asarray(roll.expert_choices)[:, proc]
@@ -166,7 +170,7 @@ def test_gradient_through_guided_forward(setup):
         )
         return -jnp.sum(out.logprobs) + out.router_aux_loss
 
-    grads = nnx.grad(loss)(model)
+    grads = nnx.jit(nnx.grad(loss))(model)
     leaves = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(grads)}
     for name in ("w_gate", "w_down", "w_k"):
         g = [v for p, v in leaves.items() if name in p]
