@@ -57,9 +57,9 @@ decode (M = 512) 0.109 / 0.136 ms, 4.1x / 5.2x its byte limit, 3.9x / 3.2x faste
 (M = 65536) 196 / 157 TFLOP/s, 29% / 23% of the dense bf16 rate (687). The same kernel with the
 E4M3 decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in an earlier run (expected from the
 ablation: 0.09-0.11 / 0.10-0.13 ms at decode; the bf16-activation path met it, the NVFP4 one
-missed it, its activation decode staying in jnp). The row-tile grid is 2.8x slower than the group-major one at M = 65536 and
-was 13x slower than `ragged_dot` at decode (history). JAX 0.11 marks the Pallas Triton backend
-deprecated in favour of Mosaic GPU.
+missed it, its activation decode staying in jnp). The row-tile grid is 2.8x slower than the
+group-major one at M = 65536 and was 13x slower than `ragged_dot` at decode (history). JAX 0.11
+marks the Pallas Triton backend deprecated in favour of Mosaic GPU.
 
 Hopper-specific: FP4 decoded to float16 or bf16 for 16-bit tensor cores (Hopper has no FP4
 ones) by the word-level PTX (valid on any NVIDIA GPU, timed only on the H200), and
