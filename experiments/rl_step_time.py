@@ -16,7 +16,9 @@ rollout ran (`rollout_implementation`: `rl.rollout_implementation`, "auto" = the
 on a GPU). The paper: TRACE's step takes +7.4% over plain FP4 rollout. With `--gpus`, each
 method's process also records its device's peak memory (`peak_memory_gib`, where the backend
 reports it: GPUs do, the CPU does not). Writes `<outdir>/<name>.{md,json,png}`;
-`--plot_from=<name>.json` redraws the PNG alone.
+`--plot_from=<name>.json` redraws the PNG alone. `--config.step_time.profile_steps=N` runs N more
+steps of each method under `jax.profiler` into `<workdir>/<method>/profile` (not in the medians):
+which kernels a steady step runs and where the host leaves the device idle.
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ def run(
             raise RuntimeError(f"timing runs failed: {failed}")
     else:
         for m in methods:
-            step_time.run_method(config, workdir, m, timing.steps)
-    rows = step_time.report(workdir, methods, timing.skip, reference)
+            step_time.run_method(
+                config, workdir, m, timing.steps, profile_steps=timing.profile_steps
+            )
+    rows = step_time.report(workdir, methods, timing.skip, reference, steps=timing.steps)
     cols = ["method", "rollout_implementation", *PHASES, *GUIDANCE_IO_PARTS, "time_step_s"]
     cols += ["guidance_io_share"]
     cols += ["step_vs_reference", "steps_timed", "reward"]
@@ -137,7 +141,14 @@ def main(argv):
     config = ExperimentConfig.from_config_dict(f.config)
     timing = from_section(StepTimeConfig, f.config.step_time)
     if f.worker_method:  # a subprocess of --gpus: one method's run, no report
-        step_time.run_method(config, f.workdir, f.worker_method, timing.steps, record_memory=True)
+        step_time.run_method(
+            config,
+            f.workdir,
+            f.worker_method,
+            timing.steps,
+            record_memory=True,
+            profile_steps=timing.profile_steps,
+        )
         return
     run(config, timing, workdir=f.workdir, gpus=f.gpus, outdir=f.outdir, name=f.name)
 

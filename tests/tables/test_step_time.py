@@ -22,9 +22,10 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
     }
     monkeypatch.setattr(step_time, "RLLoop", fake_loop(times))
     config = ExperimentConfig.from_config_dict(tiny.experiment_config())
-    for m in ("trace", "fp4_qat"):
-        step_time.run_method(config, str(tmp_path), m, 6)
-    rows = step_time.report(str(tmp_path), ["trace", "fp4_qat"], 1, "fp4_qat")
+    for m in ("trace", "fp4_qat"):  # one more step each, profiled: not in the medians
+        step_time.run_method(config, str(tmp_path), m, 6, profile_steps=1)
+        assert (tmp_path / m / step_time.PROFILE_DIR).is_dir()
+    rows = step_time.report(str(tmp_path), ["trace", "fp4_qat"], 1, "fp4_qat", steps=6)
     for row in rows:
         steady = np.asarray(times[row["method"]][1:6])  # the compile step left out
         for j, phase in enumerate(PHASES):
@@ -73,5 +74,7 @@ def test_step_time_config_checks_its_fields():
         StepTimeConfig(reference="bf16")
     with pytest.raises(ValueError, match="no step after"):
         StepTimeConfig(steps=2, skip=2)
+    with pytest.raises(ValueError, match="profile_steps must be >= 0"):
+        StepTimeConfig(profile_steps=-1)
     with pytest.raises(ValueError, match="no steps after"):
         step_time.step_times([{"step": 0}], skip=1)

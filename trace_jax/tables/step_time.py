@@ -31,6 +31,7 @@ PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
 GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
 # What a timing run's process records beside its logs: the rollout's kernels, its peak memory.
 RUN_FILE = "step_time_run.json"
+PROFILE_DIR = "profile"  # `run_method`'s profiler trace, beside the run's logs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,12 +42,16 @@ class StepTimeConfig:
     steps: GRPO steps per method.
     skip: first steps left out of the medians (compilation).
     reference: the method the others are compared to ("": the last of `methods`).
+    profile_steps: steps after the timed ones run under `jax.profiler` into
+      `<workdir>/<method>/profile` (a TensorBoard / Perfetto trace of steady steps: which
+      kernels, host gaps); not in the medians. 0: none.
     """
 
     methods: tuple[str, ...] = ("trace", "fp4_qat")
     steps: int = 25
     skip: int = 2
     reference: str = ""
+    profile_steps: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "methods", tuple(self.methods))
@@ -57,6 +62,8 @@ class StepTimeConfig:
                 f"step_time.reference {self.reference!r} is not among the methods "
                 f"{list(self.methods)}"
             )
+        if self.profile_steps < 0:
+            raise ValueError(f"step_time.profile_steps must be >= 0, got {self.profile_steps}")
         if self.steps <= self.skip:
             raise ValueError(
                 f"step_time.steps={self.steps} leaves no step after the first skip={self.skip}"
@@ -83,14 +90,24 @@ def method_config(config: ExperimentConfig, method: str, steps: int) -> Experime
 
 
 def run_method(
-    config: ExperimentConfig, workdir: str, method: str, steps: int, record_memory: bool = False
+    config: ExperimentConfig,
+    workdir: str,
+    method: str,
+    steps: int,
+    record_memory: bool = False,
+    profile_steps: int = 0,
 ) -> None:
     """Runs `method` in `<workdir>/<method>` and writes `<workdir>/<method>/step_time_run.json`:
     the rollout's kernels as this process resolves `rl.rollout_implementation` (what its
     `RolloutWorker` ran) and, with `record_memory` (a process of its own), the device's peak
-    memory over the run where the backend reports it (GPUs do, the CPU does not)."""
+    memory over the run where the backend reports it (GPUs do, the CPU does not). Then
+    `profile_steps` more steps (the run resumed from its last checkpoint in this process, so
+    with its steps compiled) under `jax.profiler.trace` into `<workdir>/<method>/profile`."""
     directory = os.path.join(workdir, method)
     RLLoop(method_config(config, method, steps), directory).run()
+    if profile_steps:
+        with jax.profiler.trace(os.path.join(directory, PROFILE_DIR)):
+            RLLoop(method_config(config, method, steps + profile_steps), directory).run()
     record = {"rollout_implementation": resolve_implementation(config.rl.rollout_implementation)}
     stats = jax.local_devices()[0].memory_stats() if record_memory else None
     if stats and "peak_bytes_in_use" in stats:
@@ -99,10 +116,11 @@ def run_method(
         json.dump(record, f)
 
 
-def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
-    """Median seconds per phase and per step over the steps after the first `skip`, the
-    guidance I/O parts where every step logged them, `steps_timed` and the mean `reward`."""
-    steady = [r for r in rows if r["step"] >= skip]
+def step_times(rows: Sequence[dict], skip: int, steps: int | None = None) -> dict[str, float]:
+    """Median seconds per phase and per step over the steps after the first `skip` and before
+    `steps` (None: all; the profiled steps after them are left out), the guidance I/O parts
+    where every step logged them, `steps_timed` and the mean `reward`."""
+    steady = [r for r in rows if skip <= r["step"] and (steps is None or r["step"] < steps)]
     if not steady:
         raise ValueError(f"no steps after the first {skip} to time (got {len(rows)} steps)")
     out = {k: float(np.median([r[k] for r in steady])) for k in PHASES}
@@ -115,9 +133,12 @@ def step_times(rows: Sequence[dict], skip: int) -> dict[str, float]:
     return out
 
 
-def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> list[dict]:
+def report(
+    workdir: str, methods: Sequence[str], skip: int, reference: str, steps: int | None = None
+) -> list[dict]:
     """One row per method from `<workdir>/<method>/rl_metrics.jsonl` and `step_time_run.json`:
-    the rollout's kernels (`rollout_implementation`), `step_times`, the peak device memory
+    the rollout's kernels (`rollout_implementation`), `step_times` (over steps `[skip,
+    steps)`), the peak device memory
     (`peak_memory_gib`) where recorded, the guidance I/O share of the step and the step time
     relative to `reference`'s (`step_vs_reference`)."""
     rows = []
@@ -129,7 +150,7 @@ def report(workdir: str, methods: Sequence[str], skip: int, reference: str) -> l
             {
                 "method": m,
                 "rollout_implementation": record["rollout_implementation"],
-                **step_times(logged, skip),
+                **step_times(logged, skip, steps),
             }
         )
         if "peak_bytes_in_use" in record:
