@@ -17,8 +17,9 @@ on a GPU). The paper: TRACE's step takes +7.4% over plain FP4 rollout. With `--g
 method's process also records its device's peak memory (`peak_memory_gib`, where the backend
 reports it: GPUs do, the CPU does not). Writes `<outdir>/<name>.{md,json,png}`;
 `--plot_from=<name>.json` redraws the PNG alone. `--config.step_time.profile_steps=N` runs N more
-steps of each method under `jax.profiler` into `<workdir>/<method>/profile` (not in the medians):
-which kernels a steady step runs and where the host leaves the device idle.
+steps of each method, the same run's (so compiled already), under `jax.profiler` into
+`<workdir>/<method>/profile` (not in the medians): which kernels a steady step runs and where the
+host leaves the device idle.
 """
 
 from __future__ import annotations

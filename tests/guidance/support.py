@@ -80,6 +80,6 @@ def file_store(root: pathlib.Path, **kw) -> GuidanceStore:
 def shard_file(root: pathlib.Path, step: int, site: str, leaf: str) -> pathlib.Path:
     """The one shard file of a leaf array of entry (RUN, step, 0)."""
     (data,) = (root / RUN / f"step_{step:010d}" / "mb_00000").glob("data_*")
-    chunks = data / site.replace("/", "%2F") / leaf / "c"
-    (path,) = [p for p in chunks.rglob("*") if p.is_file()]
+    leaf_dir = data / site.replace("/", "%2F") / leaf
+    (path,) = [p for p in leaf_dir.iterdir() if p.name != "zarr.json"]
     return path

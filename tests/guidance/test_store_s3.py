@@ -43,8 +43,8 @@ def s3_store(server, **overrides) -> tuple[GuidanceStore, str]:
 def shard_key(server, prefix: str, step: int, site: str, leaf: str) -> str:
     """The object key of the one shard of a leaf of entry (RUN, step, 0)."""
     entry = f"{prefix}{RUN}/step_{step:010d}/mb_00000/"
-    leaf_dir = f"/{site.replace('/', '%2F')}/{leaf}/c/"
-    (key,) = [k for k in server.keys(entry) if leaf_dir in k]
+    leaf_dir = f"/{site.replace('/', '%2F')}/{leaf}/"
+    (key,) = [k for k in server.keys(entry) if leaf_dir in k and not k.endswith("/zarr.json")]
     return key
 
 

@@ -88,8 +88,12 @@ def test_check_same_guidance_compares_every_leaf_byte():
     g = host["1/k"]
     flipped = g.payload.copy()
     flipped[1, 2, 0] ^= 1
+    scales = g.scales.view(np.uint8).copy()  # 12 bytes: compared as one 8-byte word and 4 bytes
+    assert scales.size % 8
+    scales.reshape(-1)[-1] ^= 1
     for bad, message in [
         ({"1/k": dataclasses.replace(g, payload=flipped)}, "'1/k' payload differs"),
+        ({"1/k": dataclasses.replace(g, scales=scales.view(g.scales.dtype))}, "'1/k' scales"),
         ({"1/k": dataclasses.replace(g, global_scale=g.global_scale * 2)}, "global_scale"),
         ({"1/v": g}, r"holds sites \['1/v'\], expected \['1/k'\]"),
         (None, "round-to-nearest fallback"),
@@ -100,8 +104,8 @@ def test_check_same_guidance_compares_every_leaf_byte():
 
 def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background(monkeypatch):
     """The trainer trains on the batch's own guidance: a step whose committed entry differs
-    from it fails once its update is done; consumed entries are deleted in the background, and
-    a failed deletion is raised by the next `train` call."""
+    from it fails once its update is done; consumed entries are deleted in the background
+    during the next step, and a failed deletion is raised by the next `train` call."""
     config = ExperimentConfig.from_config_dict(loop_config_dict())  # the loop tests' steps
     setup = config.method_setup()
     model = init_policy(config, None)
@@ -114,7 +118,7 @@ def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background
         clean, tampered, failing = (
             stack.enter_context(GuidanceStore.in_memory()) for _ in range(3)
         )
-        # A clean step: its entry is deleted by the time the next step starts.
+        # A clean step: its entry is deleted by the time the next step returns or fails.
         metrics, blocked = trainer.train(batch, clean, worker.publish_guidance(clean, batch))
         assert np.isfinite(metrics["loss"]) and blocked["read"] > 0
         # The committed entry differs from the guidance trained on (one bit of one site).
@@ -127,7 +131,7 @@ def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background
         with pytest.raises(GuidanceCorruptError, match=f"{site}' payload differs"):
             trainer.train(batch, tampered)
         assert clean.entries(run_id) == []
-        # A failed deletion is raised by the next call, before it does any work.
+        # A failed deletion is raised by the next call.
 
         def gc(*args):
             raise GuidanceIOError("the disk is gone")

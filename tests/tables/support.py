@@ -86,11 +86,13 @@ def fake_loop(times: dict[str, list[tuple[float, float, float]]]):
             assert rl.checkpoint_every == rl.steps
             self.config, self.workdir = config, workdir
 
-        def run(self):
+        def run(self, before_step=None):
             os.makedirs(self.workdir, exist_ok=True)
             rl = self.config.rl
             with open(os.path.join(self.workdir, "rl_metrics.jsonl"), "w") as f:
                 for step, t in enumerate(times[rl.method][: rl.steps]):
+                    if before_step is not None:
+                        before_step(step)
                     row = dict(zip(PHASES, t, strict=True))
                     row["time_guidance_write_s"] = 0.25 * t[1]
                     row["time_guidance_read_s"] = 0.75 * t[1]

@@ -3,11 +3,15 @@ kernels, peak memory."""
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import numpy as np
 import pytest
 
 from kernels_pallas import common
 from tests import tiny
+from tests.rl.rollouts import loop_config_dict
 from tests.tables.support import fake_loop
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.tables import step_time
@@ -41,6 +45,39 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
     trace, qat = rows
     assert trace["step_vs_reference"] == pytest.approx(trace["time_step_s"] / qat["time_step_s"])
     assert qat["step_vs_reference"] == 1.0
+
+
+def test_profiled_steps_are_the_timed_runs_last_compiled_ones(tmp_path, monkeypatch):
+    """A real run (the loop tests' 3 steps of the 2-block tiny model, so their compiled steps):
+    2 timed steps and 1 profiled. Nothing is compiled while the profiler records: the profiled
+    step is the timed run's own last step (a second run of another length would compile
+    another update: its learning-rate schedule differs)."""
+    lowered, profiling, real_trace = [], [], jax.profiler.trace
+
+    @contextlib.contextmanager
+    def trace(log_dir, **kw):
+        with real_trace(log_dir, **kw):
+            profiling.append(log_dir)
+            try:
+                yield
+            finally:
+                profiling.clear()
+
+    def on_event(event, seconds, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and profiling:
+            lowered.append(kw.get("fun_name"))
+
+    monkeypatch.setattr(jax.profiler, "trace", trace)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        config = ExperimentConfig.from_config_dict(loop_config_dict())
+        step_time.run_method(config, str(tmp_path), "trace", 2, profile_steps=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert lowered == []
+    assert any((tmp_path / "trace" / step_time.PROFILE_DIR).rglob("*.xplane.pb"))
+    (row,) = step_time.report(str(tmp_path), ["trace"], 1, "trace", steps=2)
+    assert row["steps_timed"] == 1  # step 1; step 0 compiles, step 2 is profiled
 
 
 def test_peak_memory_and_kernels_recorded_per_method_process(tmp_path, monkeypatch):

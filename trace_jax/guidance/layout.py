@@ -5,19 +5,21 @@ Keys, relative to the store's kvstore root (one entry = one (run, step, micro-ba
     <run>/policy_version.json                          trainer's published policy version
     <run>/step_<step:010d>/mb_<mb:05d>/manifest.json   commit marker, written last
     <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/zarr.json
-    <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/c/<i>/.../<k>
+    <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/<quoted site>/<leaf>/c.<i>. ... .<k>
     <run>/step_<step:010d>/mb_<mb:05d>/data_<token>/parts/<process:05d>.json  (multi-process)
 
 `<leaf>` is one of payload, scales, global_scale, mask (absent leaves are not stored); `<quoted
 site>` is the site key ("layer/name") percent-encoded into one path component ("3%2Fk"). Each leaf
-is one zarr3 array cut into shards (zarr3 `sharding_indexed`; one object each, `c/<i>/.../<k>` at
-shard grid position (i, ..., k)): a single shard for an array written whole by one process, or
+is one zarr3 array cut into shards (zarr3 `sharding_indexed`; one object each, `c.<i>. ... .<k>`
+at shard grid position (i, ..., k)): a single shard for an array written whole by one process, or
 one per jax shard of a global array, so that each process of a multi-process write writes whole
-objects of its own (`shards.py`). A shard holds inner chunks of about `inner_chunk_bytes`, each
-followed by its crc32c, and a crc32c-protected shard index; the manifest records each shard's
-crc32 (C order over the shard grid), so a process that reads some rows checks exactly the shards
-it reads. A multi-process write leaves one part record per process (the crc32s of the shards it
-wrote), which process 0 folds into the manifest.
+objects of its own (`shards.py`). Shard keys are "."-separated because a file kvstore makes a
+directory per "/" level, and creating and deleting directories, not the bytes, dominates the
+time an entry takes to write and to collect on a local disk. A shard holds inner chunks of about
+`inner_chunk_bytes`, each followed by its crc32c, and a crc32c-protected shard index; the
+manifest records each shard's crc32 (C order over the shard grid), so a process that reads some
+rows checks exactly the shards it reads. A multi-process write leaves one part record per process
+(the crc32s of the shards it wrote), which process 0 folds into the manifest.
 `<token>` is unique per write attempt, so racing or retried writers never overwrite each other's
 data; the manifest names the token it commits. Step numbers are zero-padded so a step range is a
 key range (garbage collection is one `delete_range`).
@@ -151,6 +153,10 @@ def crc32(x: np.ndarray) -> int:
 
 # ---- zarr3 ------------------------------------------------------------------------------------
 
+# Shard keys "c.0.0.0" in the leaf's directory, not "c/0/0/0" (module docstring). Readers take the
+# encoding from each array's zarr.json.
+CHUNK_KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+
 
 def inner_chunk_shape(
     shape: tuple[int, ...], itemsize: int, target_bytes: int, *, divides: bool = False
@@ -202,6 +208,7 @@ def array_metadata(
             "name": "regular",
             "configuration": {"chunk_shape": shard},
         },
+        "chunk_key_encoding": CHUNK_KEY_ENCODING,
         "codecs": [
             {
                 "name": "sharding_indexed",

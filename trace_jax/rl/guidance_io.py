@@ -1,10 +1,12 @@
 """Store -> trainer: a step's guidance entry read back (`read_guidance`) and checked against the
 guidance the trainer trained on (`check_same_guidance`), on one process or on each of a
-multi-process run's, where each compares the rows its devices hold."""
+multi-process run's, where each compares the rows its devices hold; the trainer's waits for
+entries its background threads fetch (`GuidanceEntry`, `wait_for_entry`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import jax
@@ -13,6 +15,29 @@ from jax.sharding import NamedSharding
 
 from trace_jax.fp4 import Guidance
 from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidanceEntry:
+    """A mini-batch's entry as a background thread fetched it: its guidance (None: a counted RTN
+    fallback), and when (`time.perf_counter`) its write had committed."""
+
+    guidance: dict[str, Guidance] | None
+    committed_at: float
+
+
+def wait_for_entry(
+    future: concurrent.futures.Future[GuidanceEntry], blocked: dict[str, float]
+) -> GuidanceEntry:
+    """The entry of `future` (its failure raised), adding the seconds waited for it to
+    `blocked`: until its write committed to "write_wait", after that to "read"."""
+    w0 = time.perf_counter()
+    entry = future.result()
+    w1 = time.perf_counter()
+    write_wait = min(max(entry.committed_at - w0, 0.0), w1 - w0)
+    blocked["write_wait"] += write_wait
+    blocked["read"] += w1 - w0 - write_wait
+    return entry
 
 
 def read_guidance(
@@ -82,15 +107,21 @@ def _same_bytes_here(own: jax.Array | np.ndarray, read: jax.Array | np.ndarray) 
         pairs = [(s.data, held.get(_index_key(s.index, own.shape))) for s in own.addressable_shards]
     else:
         pairs = [(s.data, np.asarray(read)[s.index]) for s in own.addressable_shards]
-    return all(
-        b is not None and np.array_equal(_bytes(np.asarray(a)), _bytes(np.asarray(b)))
-        for a, b in pairs
-    )
+    return all(b is not None and _equal_bytes(np.asarray(a), np.asarray(b)) for a, b in pairs)
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+def _equal_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` hold the same bytes in C order, compared 8 at a time (a bytewise
+    compare of a step's tens of MB of guidance takes several times longer)."""
+    a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    b = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+    if a.size != b.size:
+        return False
+    words = a.size - a.size % 8
+    return np.array_equal(a[:words].view(np.uint64), b[:words].view(np.uint64)) and np.array_equal(
+        a[words:], b[words:]
+    )

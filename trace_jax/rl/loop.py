@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from tqdm import tqdm
@@ -159,7 +159,12 @@ class RLLoop:
         `checkpoint_every`, or when `force`d (written in the background)."""
         save_train_state(self.checkpoints, step, self.model, self.optimizer, force=force)
 
-    def run(self, *, stop_after: int | None = None) -> list[dict]:
+    def run(
+        self,
+        *,
+        stop_after: int | None = None,
+        before_step: Callable[[int], None] | None = None,
+    ) -> list[dict]:
         """Trains from the last checkpoint (or step 0) to `config.rl.steps`; returns the metric
         rows of the steps it ran, then closes the store and the checkpoints. A workdir of a run
         with other settings is refused first (`trace_jax.rl.workdir.guard_workdir`).
@@ -167,6 +172,8 @@ class RLLoop:
         `stop_after` ends the run after that many steps, as if it were killed (a chunk of a
         longer run; rerunning resumes after it). What an interrupted attempt did after its
         last checkpoint is redone: its guidance entries and log rows are dropped first.
+        `before_step(step)` is called before each step starts (e.g. to profile the last steps
+        of a run, whose functions earlier steps compiled).
         """
         rl = self.config.rl
         try:
@@ -199,6 +206,8 @@ class RLLoop:
                 disable=not is_primary(),
             )
             for step in steps:
+                if before_step is not None:
+                    before_step(step)
                 t0 = time.perf_counter()
                 batch = self.rollout_step(step)
                 t1 = time.perf_counter()

@@ -12,12 +12,14 @@ rollout files and the store. A method plugs in through its `MethodSetup` alone: 
 recipe and what it captures, the trainer's recipe and its loss.
 
 Guidance off the critical path: a batch that still holds its rollout's guidance on the device (one
-process) trains on it at once, while a background thread waits for each committed entry, reads
-it back verified and version-checked, and checks that it holds exactly those bytes; the step
-returns only when every entry checked. A batch without guidance (loaded from a file: another
-process sampled it) trains on the entries read from the store, each read in the background from
-the moment the step starts. Either way the step's entries are deleted in the background after the
-step (during the next rollout); a failure there is raised by the next `train` or `close`.
+process) trains on it at once, while background threads wait for each committed entry, read it
+back verified and version-checked, and check that it holds exactly those bytes (the very arrays
+the worker wrote: `RolloutBatch.mini_batches`); the step returns only when every entry checked. A
+batch without guidance (loaded from a file: another process sampled it) trains on the entries
+read from the store, each read in the background from the moment the step starts. Either way the
+step's entries are deleted on a thread of their own during the next step (deleting a file
+store's directories takes about as long as a step); a failure there is raised by the next
+`train` or `close`.
 
 Policy versions count optimizer steps: with M mini-batches per step, the trainer holds version
 `step * M` when step `step` starts and trains mini-batch m at version `step * M + m`, which is the
@@ -60,7 +62,12 @@ from trace_jax.rl.advantages import grpo_advantages
 from trace_jax.rl.checkpoint import load_params
 from trace_jax.rl.config import make_optimizer
 from trace_jax.rl.experiment import ExperimentConfig
-from trace_jax.rl.guidance_io import check_same_guidance, read_guidance
+from trace_jax.rl.guidance_io import (
+    GuidanceEntry,
+    check_same_guidance,
+    read_guidance,
+    wait_for_entry,
+)
 from trace_jax.rl.methods import MethodSetup
 from trace_jax.rl.sharding import (
     batch_spec,
@@ -160,6 +167,18 @@ class RolloutBatch:
     policy_version: int
     rollout: Rollout
     reference: dict[str, Guidance] | None = None
+    _mini_batches: dict[int, list[Rollout]] = dataclasses.field(
+        init=False, default_factory=dict, repr=False, compare=False
+    )
+
+    def mini_batches(self, parts: int) -> list[Rollout]:
+        """`split_rollout(self.rollout, parts)`, split once per batch: the worker writes the
+        very arrays the trainer trains on and checks the store's copy against, so the check
+        finds their host copies made by the write (one device -> host copy of the guidance per
+        step, not two)."""
+        if parts not in self._mini_batches:
+            self._mini_batches[parts] = split_rollout(self.rollout, parts)
+        return self._mini_batches[parts]
 
 
 class RolloutWorker:
@@ -257,16 +276,10 @@ class RolloutWorker:
         each process writes the rows its devices hold, process 0 commits)."""
         if not self.setup.capture:
             return []
-        parts = split_rollout(batch.rollout, self.config.rl.grpo.mini_batches)
+        rl, v = self.config.rl, batch.policy_version
         return [
-            store.write_async(
-                self.config.rl.run_id,
-                batch.step,
-                part.guidance,
-                policy_version=batch.policy_version,
-                micro_batch=m,
-            )
-            for m, part in enumerate(parts)
+            store.write_async(rl.run_id, batch.step, p.guidance, policy_version=v, micro_batch=m)
+            for m, p in enumerate(batch.mini_batches(rl.grpo.mini_batches))
         ]
 
 
@@ -289,15 +302,6 @@ def mismatch_metrics(stats: dict[str, dict]) -> dict[str, float]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """A mini-batch's entry as the background thread got it: the guidance read (host arrays), and
-    when (`time.perf_counter`) its write had committed."""
-
-    guidance: dict[str, Guidance] | None
-    committed_at: float
-
-
 class Trainer:
     """Scores rollout batches and runs the method's GRPO update on the policy `model`, one
     optimizer step per mini-batch, each mini-batch's guidance checked against the store.
@@ -306,8 +310,8 @@ class Trainer:
     -> text -> rewards), optimizer (AdamW on `rl.grpo`'s schedule over `rl.steps *
     mini_batches` optimizer steps, placed like the model).
 
-    Guidance reads, checks and deletions run on one background thread (module docstring);
-    `close()` waits for the last deletion and raises its failure.
+    Guidance reads and checks run on background threads, one entry each, and deletions on
+    another (module docstring); `close()` waits for the last deletion and raises its failure.
     """
 
     def __init__(
@@ -324,8 +328,14 @@ class Trainer:
             model, make_optimizer(grpo, config.rl.steps * grpo.mini_batches), wrt=nnx.Param
         )
         place_state(self.optimizer, mesh, model)
-        # One thread: entries are read in mini-batch order, and a step's deletion follows them.
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-guidance")
+        # A thread per mini-batch's entry (up to 4): each waits for its own write, so the reads
+        # and checks of a step overlap; started in mini-batch order.
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            min(grpo.mini_batches, 4), thread_name_prefix="trainer-guidance"
+        )
+        # Deletions on their own thread: a step's entries are deleted while the next step's are
+        # written and read, not before them.
+        self._gc = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-gc")
         self._cleanup: concurrent.futures.Future | None = None
 
     def train(
@@ -335,7 +345,8 @@ class Trainer:
         writes: Sequence[concurrent.futures.Future] = (),
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Scores `batch` and runs the update; deletes the step's consumed guidance entries
-        (in the background).
+        (in the background, during the next step: the next `train` returns or raises only once
+        they are deleted).
 
         The trainer must hold version `batch.step * M` (M mini-batches). `writes`: this
         process's pending writes of the step's entries (`RolloutWorker.publish_guidance`, one
@@ -350,9 +361,27 @@ class Trainer:
         seconds the step was blocked on the store: {"write_wait": waiting for an entry's
         write, "read": waiting for its read, host -> device included}). Raises
         FloatingPointError on a non-finite loss, and the failure of the previous step's
-        background deletion.
+        background deletion (before any work when it has failed already).
         """
-        self._settle_cleanup()
+        cleanup = self._cleanup
+        if cleanup is not None and cleanup.done():
+            self._settle_cleanup()
+        try:
+            metrics, blocked = self._update(batch, store, writes)
+        except BaseException:
+            if self._cleanup is not None:  # the store settled before the failure propagates
+                concurrent.futures.wait([self._cleanup])
+            raise
+        self._settle_cleanup()  # the previous step's deletion, run beside this step
+        if self.setup.capture:
+            barrier(f"trainer read guidance of step {batch.step}")  # before process 0 deletes it
+            if is_primary():
+                self._cleanup = self._gc.submit(store.gc, self.config.rl.run_id, batch.step)
+                self._cleanup.add_done_callback(_log_failure)
+        return metrics, blocked
+
+    def _update(self, batch: RolloutBatch, store: GuidanceStore, writes: Sequence) -> tuple:
+        """`train` but for the deletions."""
         rl, grpo, setup = self.config.rl, self.config.rl.grpo, self.setup
         roll, step = batch.rollout, batch.step
         problems = group_problems(self.config, step)
@@ -361,7 +390,7 @@ class Trainer:
             raise ValueError(
                 f"{len(writes)} pending guidance writes for {len(slices)} mini-batches"
             )
-        parts = split_rollout(roll, grpo.mini_batches)
+        parts = batch.mini_batches(grpo.mini_batches)
         on_device = bool(setup.capture) and bool(roll.guidance)
         entries = []
         if setup.capture:  # started now: the reads run behind the scoring and the device work
@@ -373,8 +402,9 @@ class Trainer:
                     m,
                     writes[m] if writes else None,
                     part.guidance if on_device else None,
+                    rows.stop - rows.start,
                 )
-                for m, part in enumerate(parts)
+                for m, (rows, part) in enumerate(zip(slices, parts, strict=True))
             ]
         # Each process scores the rows its devices hold; advantages normalize over whole groups
         # of the global rewards (inside the jitted ops: groups may span processes).
@@ -392,12 +422,9 @@ class Trainer:
         mini_batches, blocked = [], {"write_wait": 0.0, "read": 0.0}
         with mesh_context(self.mesh):
             for m, (rows, part) in enumerate(zip(slices, parts, strict=True)):
-                if setup.capture and not on_device:  # store -> trainer
-                    guidance = self._wait(entries[m], blocked).guidance
-                    r0 = time.perf_counter()
-                    guidance = place_batch(guidance, self.mesh, rows.stop - rows.start)
+                if setup.capture and not on_device:  # store -> trainer, placed already
+                    guidance = wait_for_entry(entries[m], blocked).guidance
                     part = dataclasses.replace(part, guidance=guidance)
-                    blocked["read"] += time.perf_counter() - r0
                 # PPO's pi_old: the policy at the start of the step, before any mini-batch
                 # update, with the guidance the store holds.
                 mini_batches.append((rows, part, old_logprobs(self.model, part, **kw)))
@@ -422,12 +449,7 @@ class Trainer:
             raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
         if on_device:  # what the device's work did not hide of the entries' checks
             for entry in entries:
-                self._wait(entry, blocked)
-        if setup.capture:
-            barrier(f"trainer read guidance of step {step}")  # before process 0 deletes it
-            if is_primary():
-                self._cleanup = self._io.submit(store.gc, rl.run_id, step)
-                self._cleanup.add_done_callback(_log_failure)
+                wait_for_entry(entry, blocked)
         metrics = {
             "reward": float(np.mean(rewards)),
             "response_length": int(response_tokens) / n,
@@ -438,11 +460,12 @@ class Trainer:
 
     def close(self) -> None:
         """Waits for the background deletion of the last step's entries (raising its failure)
-        and stops the background thread. Idempotent."""
+        and stops the background threads. Idempotent."""
         try:
             self._settle_cleanup()
         finally:
             self._io.shutdown(wait=True)
+            self._gc.shutdown(wait=True)
 
     def _fetch_entry(
         self,
@@ -451,9 +474,11 @@ class Trainer:
         m: int,
         write: concurrent.futures.Future | None,
         own: dict[str, Guidance] | None,
-    ) -> _Entry:
-        """(Background thread.) Mini-batch `m`'s entry, read once `write` committed; checked
-        equal to `own` (the guidance trained on) when given."""
+        rows: int,
+    ) -> GuidanceEntry:
+        """(Background thread.) Mini-batch `m`'s entry (`rows` rows), read once `write`
+        committed: checked equal to `own` (the guidance trained on) when given, else put on the
+        devices (the trainer's main thread only dispatches)."""
         grpo = self.config.rl.grpo
         t0 = time.perf_counter()
         guidance, waited = read_guidance(
@@ -468,19 +493,9 @@ class Trainer:
         )
         if own is not None:
             check_same_guidance(guidance, own, f"guidance of step {step}, mini-batch {m}")
-        return _Entry(guidance, t0 + waited["write_wait"])
-
-    @staticmethod
-    def _wait(future: concurrent.futures.Future, blocked: dict[str, float]) -> _Entry:
-        """The entry of `future` (its failure raised), adding the seconds waited for it to
-        `blocked`: until its write committed to "write_wait", after that to "read"."""
-        w0 = time.perf_counter()
-        entry = future.result()
-        w1 = time.perf_counter()
-        write_wait = min(max(entry.committed_at - w0, 0.0), w1 - w0)
-        blocked["write_wait"] += write_wait
-        blocked["read"] += w1 - w0 - write_wait
-        return entry
+        else:
+            guidance = place_batch(guidance, self.mesh, rows)
+        return GuidanceEntry(guidance, t0 + waited["write_wait"])
 
     def _settle_cleanup(self) -> None:
         cleanup, self._cleanup = self._cleanup, None

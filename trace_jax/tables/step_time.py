@@ -13,6 +13,7 @@ equal work per step, which a side-by-side timing needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,9 +43,9 @@ class StepTimeConfig:
     steps: GRPO steps per method.
     skip: first steps left out of the medians (compilation).
     reference: the method the others are compared to ("": the last of `methods`).
-    profile_steps: steps after the timed ones run under `jax.profiler` into
-      `<workdir>/<method>/profile` (a TensorBoard / Perfetto trace of steady steps: which
-      kernels, host gaps); not in the medians. 0: none.
+    profile_steps: steps after the timed ones, in the same run (so with its functions
+      compiled), under `jax.profiler` into `<workdir>/<method>/profile` (a TensorBoard /
+      Perfetto trace of steady steps: which kernels, host gaps); not in the medians. 0: none.
     """
 
     methods: tuple[str, ...] = ("trace", "fp4_qat")
@@ -97,17 +98,26 @@ def run_method(
     record_memory: bool = False,
     profile_steps: int = 0,
 ) -> None:
-    """Runs `method` in `<workdir>/<method>` and writes `<workdir>/<method>/step_time_run.json`:
-    the rollout's kernels as this process resolves `rl.rollout_implementation` (what its
-    `RolloutWorker` ran) and, with `record_memory` (a process of its own), the device's peak
-    memory over the run where the backend reports it (GPUs do, the CPU does not). Then
-    `profile_steps` more steps (the run resumed from its last checkpoint in this process, so
-    with its steps compiled) under `jax.profiler.trace` into `<workdir>/<method>/profile`."""
+    """Runs `method` in `<workdir>/<method>` for `steps` steps, then `profile_steps` more under
+    `jax.profiler.trace` into `<workdir>/<method>/profile`, and writes
+    `<workdir>/<method>/step_time_run.json`: the rollout's kernels as this process resolves
+    `rl.rollout_implementation` (what its `RolloutWorker` ran) and, with `record_memory` (a
+    process of its own), the device's peak memory over the run where the backend reports it
+    (GPUs do, the CPU does not).
+
+    One run of `steps + profile_steps` steps: the profiled steps are its last, so they run the
+    functions the timed steps compiled (a run of another length has another learning-rate
+    schedule, so another compiled update)."""
     directory = os.path.join(workdir, method)
-    RLLoop(method_config(config, method, steps), directory).run()
-    if profile_steps:
-        with jax.profiler.trace(os.path.join(directory, PROFILE_DIR)):
-            RLLoop(method_config(config, method, steps + profile_steps), directory).run()
+    with contextlib.ExitStack() as profiling:
+
+        def before_step(step: int) -> None:
+            if profile_steps and step == steps:
+                profiling.enter_context(jax.profiler.trace(os.path.join(directory, PROFILE_DIR)))
+
+        RLLoop(method_config(config, method, steps + profile_steps), directory).run(
+            before_step=before_step
+        )
     record = {"rollout_implementation": resolve_implementation(config.rl.rollout_implementation)}
     stats = jax.local_devices()[0].memory_stats() if record_memory else None
     if stats and "peak_bytes_in_use" in stats:
