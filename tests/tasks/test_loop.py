@@ -148,7 +148,7 @@ def test_held_out_splits_rise_in_length_and_are_disjoint_from_training():
     assert not held_out & set(trained)
 
 
-@pytest.mark.parametrize("variant", [None, "pilot", "pilot_high_lr"])
+@pytest.mark.parametrize("variant", [None, *table1_long.PILOTS])
 def test_long_config_validates_and_fits_the_tasks(variant):
     cd = table1_long.get_config(variant)
     config = ExperimentConfig.from_config_dict(cd)
@@ -164,6 +164,8 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     assert config.tasks.prompt_width >= prompt_cap
     assert config.tasks.sft_row_length >= prompt_cap + longest
     assert len(table.seeds) == (2 if variant else 3)
+    if variant:
+        assert (config.rl.grpo.learning_rate, config.sft.steps) == table1_long.PILOTS[variant]
     assert "fp4_qat" in table.labels and "trace" in table.labels
 
 
