@@ -8,9 +8,11 @@ even and odd K columns contracted separately (two dots of K = block_k / 2 each):
 bytes `[block_n, block_k // 2]` decode to their even and odd planes without an interleave
 (`common.fp4_planes_as_f16`: shifts and masks on whole 32-bit words in inline PTX, no convert
 instruction, values * 2**-14, exact; interpret mode runs the same bit mapping in jnp, the PTX's
-test reference), times the block scales; the activations arrive already split into even and odd
-columns (a copy outside the kernel), masked to the group's rows, FP4 codes decoded by the same
-mapping (jnp: one code per byte), FP8 codes by the hardware convert, times their block scales.
+test reference), times the block scales. The activations arrive as ready planes (`_lhs_planes`,
+one XLA fusion before the call): even and odd K columns in the dot's dtype, FP4 codes decoded by
+the same mapping, FP8 codes by the convert, times their block scales. Every N tile's program reads
+the same row tile, so decoding it in the kernel would decode it N / block_n times; the kernel
+loads the planes masked to the group's rows, one path for every activation format.
 The dots take one dtype per call (`_Statics.dot_dtype`): float16 where both operands are exact in
 it (NVFP4 weights and NVFP4 activations), bfloat16 otherwise (bf16 activations, E8M0 scales),
 float32 accumulation either way (Hopper has no FP4 tensor cores); the 2**-14 factors are undone
@@ -57,9 +59,13 @@ decode (M = 512) 0.109 / 0.136 ms, 4.1x / 5.2x its byte limit, 3.9x / 3.2x faste
 (M = 65536) 196 / 157 TFLOP/s, 29% / 23% of the dense bf16 rate (687). The same kernel with the
 E4M3 decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in an earlier run (expected from the
 ablation: 0.09-0.11 / 0.10-0.13 ms at decode; the bf16-activation path met it, the NVFP4 one
-missed it, its activation decode staying in jnp). The row-tile grid is 2.8x slower than the
-group-major one at M = 65536 and was 13x slower than `ragged_dot` at decode (history). JAX 0.11
-marks the Pallas Triton backend deprecated in favour of Mosaic GPU.
+missed it). Those NVFP4-activation numbers decode the activations in the kernel, once per N
+tile. Expected, not yet measured, with the planes decoded once before the call: decode close to
+the bf16-activation path, ~0.11 ms or less (float16 dots, no weight convert to bf16; the planes
+add ~2 MB of reads at M = 512 beside ~100 MB of weights), prefill close to or above its 196
+TFLOP/s. The row-tile grid is 2.8x slower than the group-major one at M = 65536 and was 13x
+slower than `ragged_dot` at decode (history). JAX 0.11 marks the Pallas Triton backend
+deprecated in favour of Mosaic GPU.
 
 Hopper-specific: FP4 decoded to float16 or bf16 for 16-bit tensor cores (Hopper has no FP4
 ones) by the word-level PTX (valid on any NVIDIA GPU, timed only on the H200), and
@@ -146,9 +152,10 @@ def default_block_config(
     E4M3 decode).
 
     Row tiles of `grouped_matmul.kernel.row_tile`, at most 256 rows (128 with quantized
-    activations, which every N tile decodes again: wider N tiles pay off more there than taller
-    row tiles). K steps of 256 at decode and 128 at prefill (plane dots 128 and 64 deep), two
-    load stages (three for bf16 activations in row tiles of up to 128: 15% faster at 8192 rows).
+    activations: in that sweep every N tile decoded them again, so wider N tiles paid off more
+    than taller row tiles; with the planes decoded before the call a re-sweep may move them).
+    K steps of 256 at decode and 128 at prefill (plane dots 128 and 64 deep), two load stages
+    (three for bf16 activations in row tiles of up to 128: 15% faster at 8192 rows).
     Every default tile ran in that sweep (larger ones can exceed Triton's shared memory).
     block_n and block_k shrink to divide N and K (NotImplementedError if no power of two does:
     >= 16 for N, >= 32 for K); the api checks block_k against the formats' scale blocks."""
@@ -244,9 +251,8 @@ class _Statics:
 
     @property
     def num_lhs_refs(self) -> int:
-        if self.lhs_fmt is None:
-            return 2
-        return 4 if self.lhs_fmt.has_global_scale else 3
+        """The two planes, then the NVFP4 activations' per-row global scale."""
+        return 3 if self.lhs_fmt is not None and self.lhs_fmt.has_global_scale else 2
 
 
 def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
@@ -262,41 +268,28 @@ def _scaled(values: jax.Array, scales: jax.Array, st: _Statics) -> jax.Array:
     return (values.astype(scales.dtype) * scales).astype(st.dot_dtype)
 
 
-def _lhs_planes(
-    lhs_refs, k0, in_group, st: _Statics, rows=slice(None)
-) -> tuple[jax.Array, jax.Array]:
-    """Even and odd K columns of the activations at K offset k0, `st.dot_dtype` `[block_m,
-    block_k/2]` each, times 2**-14 for FP4 activations; rows outside the group are 0. `rows`
-    picks the row tile inside the refs (all of a row-panel block; a `pl.ds` of the whole array).
-
-    lhs_refs hold the even and odd columns as separate arrays (split outside the kernel: a copy
-    of the activations, small next to the weights), then scale bits and the NVFP4 row scale.
-    """
-    bm, half = st.block_m, st.block_k // 2
-    mask = jnp.broadcast_to(in_group[:, None], (bm, half))
-    cols = pl.ds(pl.multiple_of(k0 // 2, half), half)
+def _lhs_planes(lhs: Lhs, st: _Statics) -> list[jax.Array]:
+    """The activations as the kernel reads them (XLA, before the call): even and odd K columns,
+    `st.dot_dtype` `[M, K / 2]` each, times the block scales and 2**-14 for FP4 (the values the
+    weights' decode makes: exact, see `_scaled`), then the NVFP4 per-row global scale, float32
+    `[M]` (applied after the K loop). 2 bytes per value where the codes take 1 and their scales
+    1 per block: small next to the weights at decode, and decoded once, not once per N tile."""
+    m, k = lhs.shape
     if st.lhs_fmt is None:
-        # bf16 (dot_dtype is bf16 here; the cast keeps a dtype change from turning the dot into
-        # a mixed one that promotes to float32).
-        loads = (plgpu.load(r.at[rows, cols], mask=mask, other=0.0) for r in lhs_refs[:2])
-        return tuple(a.astype(st.dot_dtype) for a in loads)
+        pairs = lhs.reshape(m, k // 2, 2)
+        return [pairs[..., 0].astype(st.dot_dtype), pairs[..., 1].astype(st.dot_dtype)]
     fmt = st.lhs_fmt
-    nb = st.block_k // fmt.block_size
-    s_mask = jnp.broadcast_to(in_group[:, None], (bm, nb))
-    sbit_cols = pl.ds(k0 // fmt.block_size, nb)
-    sbits = plgpu.load(lhs_refs[2].at[rows, sbit_cols], mask=s_mask, other=0)
-    # Per plane, a scale block covers block_size / 2 consecutive columns.
-    scales = _expand_blocks(
-        decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt)), fmt.block_size // 2
-    )
+    scales = decode_scale_bits(scale_bits(lhs.scales), fmt).astype(_exact_dtype(fmt))
+    scales = _expand_blocks(scales, fmt.block_size // 2)  # a block spans block_size / 2 per plane
+    pairs = lhs.codes.reshape(m, k // 2, 2)
     planes = []
-    for r in lhs_refs[:2]:
-        codes = plgpu.load(r.at[rows, cols], mask=mask, other=0)
-        # FP4 codes -> float16 bits (value * 2**-14); FP8 codes are E4M3 already. One code per
-        # byte and a tile far smaller than the weights' at decode: the jnp form, no PTX.
+    for codes in (pairs[..., 0], pairs[..., 1]):
+        # FP4 codes -> float16 bits (value * 2**-14); FP8 codes are E4M3 already.
         values = e2m1_codes_as_f16(codes) if fmt.is_fp4 else as_e4m3(codes)
         planes.append(_scaled(values, scales, st))
-    return planes[0], planes[1]
+    if fmt.has_global_scale:
+        planes.append(jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m))
+    return planes
 
 
 def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
@@ -321,22 +314,25 @@ def _tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
     row-tile kernel's per-group step. `in_refs`: the lhs refs, then the weight refs."""
     lhs_refs = in_refs[: st.num_lhs_refs]
     w_refs = in_refs[st.num_lhs_refs :]
+    bm, bn, half = st.block_m, st.block_n, st.block_k // 2
+    mask = jnp.broadcast_to(in_tile[:, None], (bm, half))
 
     def k_step(kk, acc):
         # K split into even and odd columns: packed weight bytes decode without interleave.
         k0 = pl.multiple_of(kk * st.block_k, st.block_k)
-        a_even, a_odd = _lhs_planes(lhs_refs, k0, in_tile, st, rows)  # [bm, bk / 2] each
+        cols = pl.ds(pl.multiple_of(k0 // 2, half), half)
+        # [bm, bk / 2] each, 0 outside the group's rows
+        a_even, a_odd = (plgpu.load(a.at[rows, cols], mask=mask, other=0.0) for a in lhs_refs[:2])
         w_even, w_odd = _weight_planes(w_refs, g, k0, st)  # [bn, bk / 2] each
         acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
         return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
 
-    bm, bn = st.block_m, st.block_n
     acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
     acc = acc * st.unscale  # the FP4-decode factors, powers of two: exact
     if st.w_fmt.has_global_scale:
         acc = acc * w_refs[2][g]
     if st.lhs_fmt is not None and st.lhs_fmt.has_global_scale:
-        acc = acc * plgpu.load(lhs_refs[3].at[rows], mask=in_tile, other=1.0)[:, None]
+        acc = acc * plgpu.load(lhs_refs[2].at[rows], mask=in_tile, other=1.0)[:, None]
     return acc
 
 
@@ -402,33 +398,16 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
     num_tiles = pl.cdiv(m, bm)
-    lhs_fmt = lhs_format(lhs)
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype, not interpret)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret)
 
     def whole(size):
         return pl.BlockSpec((size,), lambda i, j: (0,))
 
-    def row_panel(width):
-        return pl.BlockSpec((bm, width), lambda i, j: (i, 0))
-
-    def even_odd(a):  # [M, K] -> its even and odd columns, [M, K / 2] each
-        pairs = a.reshape(m, k // 2, 2)
-        return [pairs[..., 0], pairs[..., 1]]
-
     bounds, first, end = tile_group_ranges(group_sizes, m, bm)
-    operands = [bounds, first, end]
+    operands = [bounds, first, end, *_lhs_planes(lhs, st), rhs.codes, scale_bits(rhs.scales)]
     in_specs = [whole(g + 1), whole(num_tiles), whole(num_tiles)]
-    if lhs_fmt is None:
-        operands += even_odd(lhs)
-        in_specs += [row_panel(k // 2)] * 2
-    else:
-        operands += [*even_odd(lhs.codes), scale_bits(lhs.scales)]
-        in_specs += [row_panel(k // 2)] * 2 + [row_panel(k // lhs_fmt.block_size)]
-        if lhs_fmt.has_global_scale:
-            gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
-            operands.append(gs)
-            in_specs.append(pl.BlockSpec((bm,), lambda i, j: (i,)))
-    operands += [rhs.codes, scale_bits(rhs.scales)]
+    in_specs += [pl.BlockSpec((bm, k // 2), lambda i, j: (i, 0))] * 2  # row panels
+    in_specs += [pl.BlockSpec((bm,), lambda i, j: (i,))] * (st.num_lhs_refs - 2)
     in_specs += [
         pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
         pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda i, j: (0, j, 0)),
@@ -454,28 +433,15 @@ def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
     m, k = lhs.shape
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
-    lhs_fmt = lhs_format(lhs)
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_fmt, rhs.fmt, out_dtype, not interpret)
+    st = _Statics(m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret)
     mp = padded_rows(m, bm)
 
     def whole(*shape):
         return pl.BlockSpec(shape, lambda j, gi: (0,) * len(shape))
 
-    def even_odd(a):  # [M, K] -> its even and odd columns, [Mp, K / 2] each
-        pairs = a.reshape(m, k // 2, 2)
-        return [pad_rows(pairs[..., 0], mp), pad_rows(pairs[..., 1], mp)]
-
-    if lhs_fmt is None:
-        operands = even_odd(lhs)
-        in_specs = [whole(mp, k // 2)] * 2
-    else:
-        operands = [*even_odd(lhs.codes), pad_rows(scale_bits(lhs.scales), mp)]
-        in_specs = [whole(mp, k // 2)] * 2 + [whole(mp, k // lhs_fmt.block_size)]
-        if lhs_fmt.has_global_scale:
-            gs = jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
-            operands.append(pad_rows(gs, mp))
-            in_specs.append(whole(mp))
+    operands = [pad_rows(a, mp) for a in _lhs_planes(lhs, st)]
     operands += [rhs.codes, scale_bits(rhs.scales)]
+    in_specs = [whole(mp, k // 2)] * 2 + [whole(mp)] * (st.num_lhs_refs - 2)
     in_specs += [
         pl.BlockSpec((g, bn, k // 2), lambda j, gi: (0, j, 0)),
         pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda j, gi: (0, j, 0)),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
 
 from kernels_pallas.fp4_moe_matmul import (
     BlockConfig,
@@ -230,6 +231,45 @@ def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid):
             lhs, rhs, gs
         )
     assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+
+
+def _pallas_call_operands(jaxpr) -> list:
+    """Abstract values of the operands of the one `pallas_call` inside `jaxpr` (nested jits
+    included)."""
+    found = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append([v.aval for v in eqn.invars])
+            for param in eqn.params.values():
+                if isinstance(param, jax_core.Jaxpr):
+                    walk(param)
+
+    walk(jaxpr)
+    assert len(found) == 1, f"expected one pallas_call, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    ("grid", "w_fmt", "a_fmt", "dot_dtype"),
+    [
+        ("row_tiles", fp4.NVFP4, fp4.NVFP4, jnp.float16),
+        ("groups", fp4.MXFP4, fp4.MXFP8, jnp.bfloat16),
+    ],
+)
+def test_kernel_reads_decoded_activation_planes(grid, w_fmt, a_fmt, dot_dtype):
+    """Quantized activations enter the kernel decoded once, before the call: two `[M, K / 2]`
+    planes in the dot's dtype (and NVFP4's per-row float32 global scale), neither codes nor
+    block-scale bits, which every N tile's program would decode again."""
+    lhs, rhs = make_operands(w_fmt, a_fmt)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    config = BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid)
+    jaxpr = jax.make_jaxpr(functools.partial(fp4_moe_matmul_pallas, config=config))(lhs, rhs, gs)
+    per_row = [(a.shape, a.dtype) for a in _pallas_call_operands(jaxpr) if a.shape[0] == M]
+    expected = [((M, K // 2), jnp.dtype(dot_dtype))] * 2
+    expected += [((M,), jnp.dtype(jnp.float32))] * a_fmt.has_global_scale
+    assert per_row == expected
 
 
 def _wide_range(shape, fmt, seed):
