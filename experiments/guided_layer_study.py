@@ -1,15 +1,18 @@
-r"""Which layers to guide, per byte of guidance, as the model gets deeper.
+r"""Which layers to guide, per byte of guidance, as the model gets deeper and as it trains.
 
   python -m experiments.guided_layer_study                           # tiny at 8, 16, 32 layers
   python -m experiments.guided_layer_study --config.depths=8 --config.gap.batch=16
+  python -m experiments.guided_layer_study --config=configs/guided_layer_study.py:trained \
+      --name=guided_layer_study_trained                # after its SFT and GRPO stages
 
-At each depth one policy samples one FP4 rollout (full codes captured at every quantized site);
-the training forward scores it with compact guidance on none, the deeper half, the shallower
-half, the odd layers and all layers (`trace_jax.tables.layer_study`): guidance bytes per token,
-log-prob gap (and its ratio to the BF16 pair's), KL, code mismatch over all quantized sites and
-per layer. The settings are `configs/guided_layer_study.py`. Writes
-`<outdir>/<name>.{md,json,png}` (the plot: per-layer mismatch per set at each depth, and the gap
-against guidance bytes per token).
+Each policy (a random init at each depth, each trained checkpoint of `checkpoints`) samples one
+FP4 rollout (full codes captured at every quantized site); the training forward scores it with
+compact guidance on none, the deeper half, the shallower half, the odd layers and all layers
+(`trace_jax.tables.layer_study`): guidance bytes per token, log-prob gap (and its ratio to the
+BF16 pair's), KL, code mismatch over all quantized sites and per layer. The settings, and the
+commands that train the checkpoints, are `configs/guided_layer_study.py`. Writes
+`<outdir>/<name>.{md,json,png}` (the plot: per-layer mismatch per set for each policy, and the
+gap against guidance bytes per token).
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.tables.gap import GapConfig
-from trace_jax.tables.layer_study import BF16_PAIR, LayerStudyResult, guided_layer_study
+from trace_jax.tables.layer_study import (
+    BF16_PAIR,
+    RANDOM_INIT,
+    LayerStudyResult,
+    guided_layer_study,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 COLUMNS = (
-    "n_layers", "layer_set", "guided", "guidance_bytes_per_token", "logp_gap_mean",
+    "policy", "n_layers", "layer_set", "guided", "guidance_bytes_per_token", "logp_gap_mean",
     "gap_over_bf16", "kl", "code_mismatch", "code_mismatch_guided", "code_mismatch_unguided",
     "router_agreement",
 )  # fmt: skip
@@ -50,33 +58,45 @@ def layers_text(layers: Sequence[int]) -> str:
     return ",".join(map(str, layers))
 
 
+def policy_name(policy: dict) -> str:
+    """The name of an entry of `LayerStudyResult.policies`: its label and depth."""
+    return f"{policy['policy']}, {policy['n_layers']} layers"
+
+
 def plot(result: LayerStudyResult, path: str) -> None:
-    """Per-layer code mismatch of each set, one panel per depth (guided layers marked by filled
+    """Per-layer code mismatch of each set, one panel per policy (guided layers marked by filled
     dots), and the log-prob gap over the BF16 pair's against guidance bytes per token."""
-    depths = sorted(result.policies)
-    fig, axes = plt.subplots(1, len(depths) + 1, figsize=(4.2 * (len(depths) + 1), 3.6))
+    panels = result.policies
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.6))
     sets = list(dict.fromkeys(r["layer_set"] for r in result.per_layer))
     colors = dict(zip(sets, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    for ax, n in zip(axes, depths, strict=False):
+
+    def of(rows, policy):
+        return [
+            r for r in rows
+            if (r["policy"], r["n_layers"]) == (policy["policy"], policy["n_layers"])
+        ]  # fmt: skip
+
+    for ax, policy in zip(axes, panels, strict=False):
         for name in sets:
-            rs = [r for r in result.per_layer if r["n_layers"] == n and r["layer_set"] == name]
+            rs = [r for r in of(result.per_layer, policy) if r["layer_set"] == name]
             x = [r["layer"] for r in rs]
             y = [max(r["code_mismatch"], 1e-6) for r in rs]
             ax.plot(x, y, "-", color=colors[name], label=name, lw=1)
             gx = [(xi, yi) for xi, yi, r in zip(x, y, rs, strict=True) if r["guided"]]
             if gx:
                 ax.plot(*zip(*gx, strict=True), "o", color=colors[name], ms=3)
-        ax.set(title=f"{n} layers", xlabel="layer (dots: guided)", yscale="log")
+        ax.set(title=policy_name(policy), xlabel="layer (dots: guided)", yscale="log")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("code mismatch vs rollout (0 at 1e-6)")
     axes[0].legend(fontsize=7)
     ax = axes[-1]
-    for n, marker in zip(depths, "os^vD<>", strict=False):
-        rs = [r for r in result.rows if r["n_layers"] == n and r["layer_set"] != BF16_PAIR]
+    for policy, marker in zip(panels, "os^vD<>", strict=False):
+        rs = [r for r in of(result.rows, policy) if r["layer_set"] != BF16_PAIR]
         for r in rs:
             ax.plot(r["guidance_bytes_per_token"], r["gap_over_bf16"], marker,
                     color=colors[r["layer_set"]], ms=5, mfc="none")  # fmt: skip
-        ax.plot([], [], marker, color="0.4", mfc="none", label=f"{n} layers")
+        ax.plot([], [], marker, color="0.4", mfc="none", label=policy_name(policy))
     ax.legend(fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set(title="gap vs guidance (colour: set)", xlabel="guidance bytes / token",
@@ -93,12 +113,18 @@ def write(
     """Writes `<outdir>/<name>.{md,json,png}` of a study; returns the md and json paths."""
     rl, m = config.rl, config.model
     widths = f"d_model {m.d_model}, {m.n_experts} experts (top {m.top_k}) of width {m.d_ff_expert}"
-    policies = "; ".join(f"{n} layers: {p}" for n, p in sorted(result.policies.items()))
+    policies = "; ".join(f"{policy_name(p)}: {p['sampled']}" for p in result.policies)
+    trained = any(p["policy"] != RANDOM_INIT for p in result.policies)
+    kind = (
+        "Random policies on random prompts beside trained ones on task prompts (stopping at EOS)."
+        if trained
+        else "A random policy on random prompts, not a trained one."
+    )
     notes = (
         f"Widths {widths}; {policies}; recipe `{rl.format}`, batch {gap.batch}, up "
         f"to {rl.max_new_tokens} new tokens at temperature {rl.temperature}, routing replay "
-        f"{'on' if result.replay else 'off'}, compact guidance. A random policy on random "
-        "prompts, not a trained one. Each depth scores one FP4 rollout with every layer set. "
+        f"{'on' if result.replay else 'off'}, compact guidance. {kind} Each policy scores one "
+        "FP4 rollout with every layer set. "
         "`guided`: the guided layers. `guidance_bytes_per_token`: compact guidance held per "
         "token slot. `gap_over_bf16`: `logp_gap_mean` over the BF16 pair's. `code_mismatch`: "
         "fraction of the trainer's codes at all quantized sites that differ from the rollout's "
@@ -111,7 +137,7 @@ def write(
     paths = harness.write_results(
         name,
         result.rows,
-        title="Which layers to guide: gap and code mismatch per guided-layer set and depth",
+        title="Which layers to guide: gap and code mismatch per guided-layer set and policy",
         table=table,
         notes=notes,
         outdir=outdir,
@@ -128,7 +154,8 @@ def main(argv):
     quiet_third_party(f.verbose)
     config = ExperimentConfig.from_config_dict(f.config)
     gap = from_section(GapConfig, f.config.gap)
-    result = guided_layer_study(config, gap, tuple(f.config.depths))
+    checkpoints = tuple((str(label), str(path)) for label, path in f.config.checkpoints)
+    result = guided_layer_study(config, gap, tuple(f.config.depths), checkpoints)
     paths = write(config, gap, result, outdir=f.outdir, name=f.name)
     print(f"\nwrote {paths['md']} and {paths['json']}")
 

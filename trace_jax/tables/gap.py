@@ -82,11 +82,13 @@ def router_agreement(train_experts, roll_experts, processed) -> float:
     return float(same[m].mean())
 
 
-def _prompts(config: ExperimentConfig, gap: GapConfig, model, k_prompt, k_len):
-    """(prompts int32 [B, P], lengths int32 [B], sampling, policy in words)."""
+def _prompts(config: ExperimentConfig, gap: GapConfig, model, k_prompt, k_len, *, load=True):
+    """(prompts int32 [B, P], lengths int32 [B], sampling, policy in words); `load`: read
+    `rl.init_from`'s parameters into `model` (False: the caller did)."""
     rl, b, p = config.rl, gap.batch, gap.prompt_len
     if rl.init_from:  # a trained policy on task prompts, stopping at EOS
-        load_params(model, rl.init_from)
+        if load:
+            load_params(model, rl.init_from)
         kinds, levels = config.tasks.kinds, config.tasks.levels
         stream = tasks.train_stream(config.seed, tasks=kinds, levels=levels)
         problems = list(itertools.islice(stream, b))
@@ -140,13 +142,19 @@ class RolloutPair:
     policy: str
 
 
-def sample_pair(config: ExperimentConfig, gap: GapConfig, qcfg: QuantConfig) -> RolloutPair:
+def sample_pair(
+    config: ExperimentConfig, gap: GapConfig, qcfg: QuantConfig, model: Qwen3MoE | None = None
+) -> RolloutPair:
     """Samples the BF16 and the FP4 rollout of `config`'s policy (module docstring); the FP4
-    rollout does not depend on `qcfg`'s guided layers, so one serves every guided-layer set."""
+    rollout does not depend on `qcfg`'s guided layers, so one serves every guided-layer set.
+    `model`: the policy `rl.init_from` names, already loaded (an RL run's checkpoint, say)."""
     n_layers = config.model.n_layers
     k_prompt, k_len, k_sample = jax.random.split(jax.random.key(config.seed), 3)
-    model = init_model(config.model, seed=config.seed)
-    prompts, lengths, sampling, policy = _prompts(config, gap, model, k_prompt, k_len)
+    loaded = model is not None
+    model = model if loaded else init_model(config.model, seed=config.seed)
+    prompts, lengths, sampling, policy = _prompts(
+        config, gap, model, k_prompt, k_len, load=not loaded
+    )
     graphdef, params = nnx.split(model)
 
     def rollout(mode, **capture):
