@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import warnings
 
 import jax
@@ -156,8 +157,13 @@ class DecodeAttentionTestBase:
             block_s=case.block_s,
         )
 
-    @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-    @pytest.mark.parametrize("case", list(CASES.values()), ids=lambda c: c.name)
+    @pytest.mark.parametrize(
+        "case, fmt",
+        # Each shape once, the formats alternating: both formats meet both tilings (one and
+        # several splits); the format tests below take each format on one more shape.
+        list(zip(CASES.values(), itertools.cycle(FORMATS), strict=False)),
+        ids=lambda x: getattr(x, "name", None),
+    )
     def test_fp4_matches_reference(self, case, fmt):
         q, k, v, lengths = _inputs(case, jnp.float32)
         kc, vc = _packed(k, fmt), _packed(v, fmt)
