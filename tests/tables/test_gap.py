@@ -11,11 +11,14 @@ from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.tables.gap import GapConfig, gap_metrics, measure_gap
 
 
+# The layer study's tests score the same shapes (2 rows of up to 16 prompt tokens, 4 new tokens,
+# 2 blocks): in one worker they share the compiled rollouts and forwards.
+@pytest.mark.xdist_group("gap_shapes")
 def test_every_mode_on_a_minimal_problem():
     cd = train_rollout_gap.get_config()
     cd.model.n_layers = tiny.N_LAYERS
     cd.rl.max_new_tokens = 4
-    result = measure_gap(ExperimentConfig.from_config_dict(cd), GapConfig(batch=2, prompt_len=4))
+    result = measure_gap(ExperimentConfig.from_config_dict(cd), GapConfig(batch=2, prompt_len=16))
     assert [r["mode"] for r in result.rows] == ["off (bf16 pair)"] + [
         m for m in ("rtn", "guided full", "guided compact") for _ in (0, 1)
     ]

@@ -64,8 +64,10 @@ def perturbed(model, rel: float, seed: int = 1):
 
 
 # 2 rows of up to 16 prompt tokens (countdown prompts have 14-16) and 4 new tokens: every test
-# here scores these shapes, so the compiled training forwards are shared.
+# here (and `test_gap.py`'s, in the same xdist group) scores these shapes, so the compiled
+# rollouts and training forwards are shared.
 GAP = GapConfig(batch=2, prompt_len=16)
+pytestmark = pytest.mark.xdist_group("gap_shapes")
 
 
 @pytest.fixture(scope="module")
