@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,9 +125,20 @@ def test_bad_inputs():
         fp4_quantize(jnp.ones((2, 64)), "nvfp4", implementation=())
 
 
-@pytest.mark.parametrize("pack", ["sum", "split"])
-@pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
-@pytest.mark.parametrize("mode", [None, "compact", "full"])
+@pytest.mark.parametrize(
+    ("fmt", "mode", "pack"),
+    # Every format and mode; the packings (bit layouts, independent of both: tested alone in
+    # `test_split_packing_puts_field_j_at_bit_j_times_width`) alternate.
+    [
+        (fmt, mode, pack)
+        for (fmt, mode), pack in zip(
+            itertools.product([fp4.NVFP4, fp4.MXFP4], [None, "compact", "full"]),
+            itertools.cycle(["sum", "split"]),
+            strict=False,
+        )
+    ],
+    ids=lambda x: getattr(x, "name", str(x)),
+)
 def test_column_tiles_match_reference(fmt, mode, pack):
     # block_n = 64 splits each 256-wide row over 4 programs: an NVFP4 row's global scale must
     # come from the whole row, not the tile (the rows' magnitudes differ by orders: _x).
