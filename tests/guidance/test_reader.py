@@ -140,3 +140,20 @@ def test_degenerate_entries_read_back_and_a_deleted_chunk_is_corrupt(tmp_path):
         shard_file(tmp_path, 1, "zeros/mxfp4_full", "payload").unlink()
         with pytest.raises(GuidanceCorruptError, match=r"zeros%2Fmxfp4_full/payload.*NOT_FOUND"):
             store.read(RUN, 1, expected_version=0)
+
+
+def test_an_entry_with_slash_separated_chunk_keys_reads_back(tmp_path, monkeypatch):
+    """Entries whose shards sit at zarr3's default keys ("c/0/0", one directory per level, as
+    written before the "." keys) read back bit for bit: readers follow each array's zarr.json."""
+    from trace_jax.guidance import layout
+
+    slash = {"name": "default", "configuration": {"separator": "/"}}
+    monkeypatch.setattr(layout, "CHUNK_KEY_ENCODING", slash)
+    want = numpy_guidance(0)
+    with file_store(tmp_path) as store:
+        store.write(RUN, 0, want, policy_version=0)
+    leaf = shard_file(tmp_path, 0, "20/k", "payload")
+    assert leaf.name == "c" and leaf.is_dir()  # the "/" layout was written
+    monkeypatch.undo()
+    with file_store(tmp_path) as store:
+        assert_same_guidance(want, store.read(RUN, 0, expected_version=0))
