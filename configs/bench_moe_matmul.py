@@ -6,12 +6,15 @@ same FLOPs and the read bandwidth measured in the same run.
 python -m experiments.bench_moe_matmul                                        # on the H200
 python -m experiments.bench_moe_matmul --config.phases="(('prefill', 65536),)"
 python -m experiments.bench_moe_matmul --config.block_configs.decode.pallas_bf16="({},)"
+python -m experiments.bench_moe_matmul --config=configs/bench_moe_matmul.py:default_tiles  # ~2 min
 python -m experiments.bench_moe_matmul --config=configs/bench_moe_matmul.py:smoke   # CPU smoke run
 
 `block_configs.<phase>.<kernel>`: a tuple of dicts of the kernel's tiling keywords (block_m,
 block_n, block_k, num_warps, num_stages; the FP4 kernel also `grid`), `{}` being the kernel's
 `default_block_config` for the shape. The first entries are the defaults and their neighbours;
-each list is about ten compiles, so the sweep takes a few minutes on the H200.
+each list is about ten compiles, so the sweep takes a few minutes on the H200. `default_tiles`:
+each Pallas kernel at its default tiles only, at decode and the large prefill (a re-measure after a
+kernel change).
 """
 
 import ml_collections
@@ -145,6 +148,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 "fp4_nvfp4_act": ({},),
             },
         }
+    elif arg == "default_tiles":
+        phases = ("decode", "prefill")
+        c.phases = tuple(p for p in c.phases if p[0] in phases)
+        c.block_configs = {p: {k: ({},) for k in c.block_configs[p]} for p in phases}
     elif arg:
-        raise ValueError(f"unknown config variant {arg!r}; the only one is 'smoke'")
+        raise ValueError(f"unknown config variant {arg!r}; known: 'default_tiles', 'smoke'")
     return c

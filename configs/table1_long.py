@@ -41,8 +41,14 @@ besides length.
 `pilot`'s start the SFT loss is 0.008 nats a solution token, about 4 nats over a 500-token
 solution, so a sample at temperature 1 rarely survives to a correct answer (held-out pass@1
 4-17%) and half of the 8-sample groups carry no signal; in neither pilot did BF16 itself improve.
-The SFT loss was still falling 3x per 100 steps at its end; the longer stage takes about 6 of the
-machine's 30 minutes.
+The longer stage takes about 7 of the machine's 30 minutes (it ended at the same loss, with a
+better held-out start, and still no method improved: REPORT section 6).
+`pilot_more_rows`: BF16 against fp4_qat alone, 16 prompts x 8 samples a step for 60 steps (3x
+`pilot`'s rows per run; Table 1's short regime gains 5 points over 100 steps of 128 rows), with
+96 held-out problems per split (half the evaluation noise of 48) at steps 29 and 59. Four runs of
+twice `pilot`'s trainer memory: start them with `PER_GPU=4`. Estimated from `pilot_strong_start`'s
+hold (eight runs of 40 x 64 rows in 12 minutes, the FP4 ones about 2.5x a bf16 run's time): about
+15 minutes for the runs, 20 with the SFT stage.
 """
 
 import ml_collections
@@ -52,8 +58,28 @@ from trace_jax.tables.grid import table_section
 
 LOOP_SPLITS = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
 MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
-# variant: (learning rate, SFT steps)
-PILOTS = {"pilot": (3e-5, 1200), "pilot_high_lr": (1e-4, 1200), "pilot_strong_start": (3e-5, 3600)}
+# variant: what it changes in `pilot` (learning rate, SFT steps, GRPO steps, prompts a step,
+# methods, held-out problems per split)
+PILOT = dict(
+    learning_rate=3e-5,
+    sft_steps=1200,
+    rl_steps=40,
+    prompts_per_step=8,
+    methods=("bf16", "fp4_qat", "quads", "trace"),
+    eval_problems=48,
+)
+PILOTS = {
+    "pilot": PILOT,
+    "pilot_high_lr": {**PILOT, "learning_rate": 1e-4},
+    "pilot_strong_start": {**PILOT, "sft_steps": 3600},
+    "pilot_more_rows": {
+        **PILOT,
+        "rl_steps": 60,
+        "prompts_per_step": 16,
+        "methods": ("bf16", "fp4_qat"),
+        "eval_problems": 96,
+    },
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -83,19 +109,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     name, seeds = "table1_long", (0, 1, 2)
     methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
     if arg in PILOTS:
-        learning_rate, sft_steps = PILOTS[arg]
-        name, seeds, methods = f"table1_long_{arg}", (0, 1), ("bf16", "fp4_qat", "quads", "trace")
+        p = PILOTS[arg]
+        name, seeds, methods = f"table1_long_{arg}", (0, 1), p["methods"]
         c.tasks.update(levels=(2, 3, 4))
-        c.sft.update(steps=sft_steps)
-        c.eval.update(splits=LOOP_SPLITS[:3], problems_per_split=48, k=2, max_new_tokens=1024)
+        c.sft.update(steps=p["sft_steps"])
+        c.eval.update(
+            splits=LOOP_SPLITS[:3], problems_per_split=p["eval_problems"], k=2, max_new_tokens=1024
+        )
+        half = p["rl_steps"] // 2
         c.rl.update(
-            steps=40,
+            steps=p["rl_steps"],
             max_new_tokens=1024,
-            learning_rate=learning_rate,
-            prompts_per_step=8,
-            eval_every=20,
-            checkpoint_every=20,
-            mismatch_every=40,
+            learning_rate=p["learning_rate"],
+            prompts_per_step=p["prompts_per_step"],
+            eval_every=half,
+            checkpoint_every=half,
+            mismatch_every=p["rl_steps"],
         )
     elif arg:
         raise ValueError(f"unknown config variant {arg!r}; known: {sorted(PILOTS)}")

@@ -54,16 +54,14 @@ tests' tolerance).
 
 GPU status: measured on the H200 (experiments/results/kernels_moe_matmul.md, 128 experts,
 K = 2048, N = 768, bf16 / NVFP4 activations, default tiles, side by side with the bf16 kernels):
-decode (M = 512) 0.109 / 0.136 ms, 4.1x / 5.2x its byte limit, 3.9x / 3.2x faster than bf16
-`ragged_dot` and level with the bf16 Pallas grouped matmul (0.110 ms, 1.19x its limit); prefill
-(M = 65536) 196 / 157 TFLOP/s, 29% / 23% of the dense bf16 rate (687). The same kernel with the
-E4M3 decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in an earlier run (expected from the
-ablation: 0.09-0.11 / 0.10-0.13 ms at decode; the bf16-activation path met it, the NVFP4 one
-missed it). Those NVFP4-activation numbers decode the activations in the kernel, once per N
-tile. Expected, not yet measured, with the planes decoded once before the call: decode close to
-the bf16-activation path, ~0.11 ms or less (float16 dots, no weight convert to bf16; the planes
-add ~2 MB of reads at M = 512 beside ~100 MB of weights), prefill close to or above its 196
-TFLOP/s. The row-tile grid is 2.8x slower than the group-major one at M = 65536 and was 13x
+decode (M = 512) 0.111 / 0.098 ms, 4.2x / 3.7x its byte limit, 3.9x / 4.4x faster than bf16
+`ragged_dot` and 1.05x / 1.19x faster than the bf16 Pallas grouped matmul (0.117 ms, 1.26x its
+limit); prefill (M = 65536) 197 / 194 TFLOP/s, 29% / 28% of the dense bf16 rate (683). The
+activations are decoded once, before the call, to the 16-bit planes the kernel consumes: the
+expectation written before that change (NVFP4-activation decode 0.136 -> ~0.11 ms, prefill 157
+-> ~196 TFLOP/s, the activations having been decoded in every N tile) was met (0.098 ms, 194).
+The same kernel with the E4M3 weight decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in
+an earlier run. The row-tile grid is 2.8x slower than the group-major one at M = 65536 and was 13x
 slower than `ragged_dot` at decode (history). JAX 0.11 marks the Pallas Triton backend
 deprecated in favour of Mosaic GPU.
 

@@ -165,8 +165,19 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     assert config.tasks.sft_row_length >= prompt_cap + longest
     assert len(table.seeds) == (2 if variant else 3)
     if variant:
-        assert (config.rl.grpo.learning_rate, config.sft.steps) == table1_long.PILOTS[variant]
-    assert "fp4_qat" in table.labels and "trace" in table.labels
+        pilot = table1_long.PILOTS[variant]
+        assert (config.rl.grpo.learning_rate, config.sft.steps) == (
+            pilot["learning_rate"],
+            pilot["sft_steps"],
+        )
+        assert (config.rl.steps, config.rl.prompts_per_step) == (
+            pilot["rl_steps"],
+            pilot["prompts_per_step"],
+        )
+        assert config.eval.problems_per_split == pilot["eval_problems"]
+        assert config.rl.eval_every == config.rl.steps // 2  # mid-run and final evaluations
+        assert tuple(table.labels) == pilot["methods"]
+    assert "fp4_qat" in table.labels and "bf16" in table.labels
 
 
 def test_a_long_task_does_not_widen_the_short_tasks_sft_rows():
