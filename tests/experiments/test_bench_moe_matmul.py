@@ -47,3 +47,14 @@ def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
     assert by[("decode", "fp4_nvfp4_act")]["block_config"]["grid"] == "row_tiles"
     assert saved["summary_ms"]["prefill"]["pallas_bf16"] is None
     assert saved["ceilings"]["read_bw"] > 0
+
+
+def test_default_tiles_variant_times_each_kernel_at_its_defaults_at_decode_and_prefill():
+    config, sweep = config_module.get_config("default_tiles"), config_module.get_config()
+    assert [p for p, _ in config.phases] == ["decode", "prefill"]
+    assert dict(config.phases) == {p: m for p, m in sweep.phases if p in ("decode", "prefill")}
+    for phase, _ in config.phases:
+        kernels = config.block_configs[phase]
+        assert set(kernels) == set(sweep.block_configs[phase]) == set(bench.SWEPT)
+        assert all(tuple(configs) == ({},) for configs in kernels.values())
+    assert sorted(config.to_dict()) == sorted(sweep.to_dict())  # overrides stay valid
