@@ -41,15 +41,21 @@ from trace_jax.tables.step_time import GUIDANCE_IO_PARTS, PHASES, StepTimeConfig
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+IO_LABELS = {
+    "time_guidance_write_s": "guidance write (waited for)",
+    "time_guidance_read_s": "guidance read",
+    "time_guidance_delete_wait_s": "guidance deletion (waited for)",
+}
+
 
 def plot(rows: Sequence[dict], path: str) -> None:
     """One stacked bar per method (labelled with its rollout's kernels where recorded): median
-    rollout, guidance I/O (the write still committing and the read, where logged) and training
-    seconds of a GRPO step."""
+    rollout, guidance I/O (the write still committing, the read and the wait for the previous
+    step's deletion, where logged) and training seconds of a GRPO step."""
     parts = [("time_rollout_s", "rollout")]
-    if all(k in r for r in rows for k in GUIDANCE_IO_PARTS):
-        parts += [("time_guidance_write_s", "guidance write (waited for)")]
-        parts += [("time_guidance_read_s", "guidance read")]
+    logged = [k for k in GUIDANCE_IO_PARTS if all(k in r for r in rows)]
+    if logged[:2] == list(GUIDANCE_IO_PARTS[:2]):
+        parts += [(k, IO_LABELS[k]) for k in logged]
     else:
         parts += [("time_guidance_io_s", "guidance I/O")]
     parts += [("time_train_s", "training")]

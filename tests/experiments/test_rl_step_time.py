@@ -40,11 +40,13 @@ def test_report_written(tmp_path, monkeypatch):
 
 def test_plot_stacks_each_methods_phases(tmp_path, monkeypatch):
     rows = [
-        {"method": "trace", "time_rollout_s": 0.3, "time_guidance_io_s": 0.12,
-         "time_guidance_write_s": 0.08, "time_guidance_read_s": 0.04, "time_train_s": 0.33,
-         "time_step_s": 0.75, "step_vs_reference": 1.39},
+        {"method": "trace", "time_rollout_s": 0.3, "time_guidance_io_s": 0.14,
+         "time_guidance_write_s": 0.08, "time_guidance_read_s": 0.04,
+         "time_guidance_delete_wait_s": 0.02, "time_train_s": 0.33,
+         "time_step_s": 0.77, "step_vs_reference": 1.38},
         {"method": "fp4_qat", "time_rollout_s": 0.31, "time_guidance_io_s": 0.0,
-         "time_guidance_write_s": 0.0, "time_guidance_read_s": 0.0, "time_train_s": 0.25,
+         "time_guidance_write_s": 0.0, "time_guidance_read_s": 0.0,
+         "time_guidance_delete_wait_s": 0.0, "time_train_s": 0.25,
          "time_step_s": 0.56, "step_vs_reference": 1.0},
     ]  # fmt: skip
     (tmp_path / "st.json").write_text(json.dumps({"meta": {}, "rows": rows}))
@@ -58,12 +60,20 @@ def test_plot_stacks_each_methods_phases(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "barh", record)
     png = rl_step_time.plot_from(str(tmp_path / "st.json"))
     assert png == str(tmp_path / "st.png") and os.path.getsize(png) > 0
-    keys = ["time_rollout_s", "time_guidance_write_s", "time_guidance_read_s", "time_train_s"]
+    io = ["time_guidance_write_s", "time_guidance_read_s", "time_guidance_delete_wait_s"]
+    keys = ["time_rollout_s", *io, "time_train_s"]
     assert [b[1] for b in bars] == [[r[k] for r in rows] for k in keys]
     lefts = np.cumsum([[0.0, 0.0], *[b[1] for b in bars[:-1]]], axis=0)
     np.testing.assert_allclose([b[2] for b in bars], lefts)
+    # Rows of older runs, without the deletion wait: write and read only.
+    older = [{k: v for k, v in r.items() if k != io[2]} for r in rows]
+    (tmp_path / "older.json").write_text(json.dumps({"rows": older}))
+    bars.clear()
+    rl_step_time.plot_from(str(tmp_path / "older.json"))
+    labels = [rl_step_time.IO_LABELS[k] for k in io[:2]]
+    assert [b[0] for b in bars] == ["rollout", *labels, "training"]
     # Rows without the write / read split: one guidance I/O segment.
-    merged = [{k: v for k, v in r.items() if k not in keys[1:3]} for r in rows]
+    merged = [{k: v for k, v in r.items() if k not in io} for r in rows]
     (tmp_path / "merged.json").write_text(json.dumps({"rows": merged}))
     bars.clear()
     rl_step_time.plot_from(str(tmp_path / "merged.json"))

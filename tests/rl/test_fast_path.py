@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,8 @@ def test_check_same_guidance_compares_every_leaf_byte():
 def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background(monkeypatch):
     """The trainer trains on the batch's own guidance: a step whose committed entry differs
     from it fails once its update is done; consumed entries are deleted in the background
-    during the next step, and a failed deletion is raised by the next `train` call."""
+    during the next step (a deletion still running after the next update is waited for and
+    timed), and a failed deletion is raised by the next `train` call."""
     config = ExperimentConfig.from_config_dict(loop_config_dict())  # the loop tests' steps
     setup = config.method_setup()
     model = init_policy(config, None)
@@ -115,8 +117,8 @@ def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background
     run_id = config.rl.run_id
     with contextlib.ExitStack() as stack:
         stack.callback(trainer.close)
-        clean, tampered, failing = (
-            stack.enter_context(GuidanceStore.in_memory()) for _ in range(3)
+        clean, tampered, slow, failing = (
+            stack.enter_context(GuidanceStore.in_memory()) for _ in range(4)
         )
         # A clean step: its entry is deleted by the time the next step returns or fails.
         metrics, blocked = trainer.train(batch, clean, worker.publish_guidance(clean, batch))
@@ -131,6 +133,18 @@ def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background
         with pytest.raises(GuidanceCorruptError, match=f"{site}' payload differs"):
             trainer.train(batch, tampered)
         assert clean.entries(run_id) == []
+        # A deletion still running when the next update ends is waited for, and timed.
+        deleted = threading.Event()
+
+        def slow_gc(*args):
+            deleted.wait(timeout=30)
+
+        monkeypatch.setattr(slow, "gc", slow_gc)
+        _, blocked = trainer.train(batch, slow, worker.publish_guidance(slow, batch))
+        assert blocked["delete_wait"] < 1.0  # the failed step's deletion had ended
+        threading.Timer(1.5, deleted.set).start()  # the next update takes far less
+        _, blocked = trainer.train(batch, slow)  # its entries are still there
+        assert blocked["delete_wait"] > 0.5
         # A failed deletion is raised by the next call.
 
         def gc(*args):

@@ -441,8 +441,9 @@ def _trainer_steps(
                 "rollout_policy_version": batch.policy_version,
                 "max_staleness_used": step * m + m - 1 - batch.policy_version,
                 "time_wait_rollout_s": t1 - t0,
-                "time_guidance_io_s": blocked["read"],
-                "time_train_s": t2 - t1 - blocked["read"],
+                "time_guidance_io_s": blocked["read"] + blocked["delete_wait"],
+                "time_guidance_delete_wait_s": blocked["delete_wait"],
+                "time_train_s": t2 - t1 - blocked["read"] - blocked["delete_wait"],
             }
             history.append(metrics_log.write(step, row))
     trainer.close()  # the last step's background deletion: its failure raises here

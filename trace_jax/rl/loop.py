@@ -124,14 +124,16 @@ class RLLoop:
         self, batch: RolloutBatch, writes: Sequence[concurrent.futures.Future] = ()
     ) -> dict[str, float]:
         """The GRPO update on `batch` (`Trainer.train`): its metrics, plus the seconds it was
-        blocked on the store, `time_guidance_write_wait_s` (waiting for `writes`) and
-        `time_guidance_read_s` (reading entries). Raises FloatingPointError on a NaN loss."""
+        blocked on the store, `time_guidance_write_wait_s` (waiting for `writes`),
+        `time_guidance_read_s` (reading entries) and `time_guidance_delete_wait_s` (waiting for
+        the previous step's deletion). Raises FloatingPointError on a NaN loss."""
         metrics, blocked = self.trainer.train(batch, self.store, writes)
         self.store.flush()  # every write was waited for: this raises only earlier failures
         return {
             **metrics,
             "time_guidance_write_wait_s": blocked["write_wait"],
             "time_guidance_read_s": blocked["read"],
+            "time_guidance_delete_wait_s": blocked["delete_wait"],
         }
 
     def evaluate(self, step: int) -> dict:
@@ -218,6 +220,7 @@ class RLLoop:
                 t3 = time.perf_counter()
                 write_wait = metrics.pop("time_guidance_write_wait_s")
                 read = metrics["time_guidance_read_s"]
+                delete_wait = metrics["time_guidance_delete_wait_s"]
                 row = {
                     **metrics,
                     "policy_version": batch.policy_version,
@@ -225,9 +228,9 @@ class RLLoop:
                     "time_rollout_s": t1 - t0,
                     # Only the waits count: the write and its verified read-back run behind the
                     # trainer's device work.
-                    "time_guidance_io_s": t2 - t1 + write_wait + read,
+                    "time_guidance_io_s": t2 - t1 + write_wait + read + delete_wait,
                     "time_guidance_write_s": t2 - t1 + write_wait,  # until committed
-                    "time_train_s": t3 - t2 - write_wait - read,
+                    "time_train_s": t3 - t2 - write_wait - read - delete_wait,
                 }
                 row = metrics_log.write(step, row) if metrics_log else {"step": step, **row}
                 history.append(row)

@@ -359,7 +359,8 @@ class Trainer:
 
         Returns (metrics averaged over mini-batches, with the reward and response length; the
         seconds the step was blocked on the store: {"write_wait": waiting for an entry's
-        write, "read": waiting for its read, host -> device included}). Raises
+        write, "read": waiting for its read, host -> device included, "delete_wait": waiting,
+        after the update, for the previous step's deletion to end}). Raises
         FloatingPointError on a non-finite loss, and the failure of the previous step's
         background deletion (before any work when it has failed already).
         """
@@ -372,7 +373,9 @@ class Trainer:
             if self._cleanup is not None:  # the store settled before the failure propagates
                 concurrent.futures.wait([self._cleanup])
             raise
+        t0 = time.perf_counter()
         self._settle_cleanup()  # the previous step's deletion, run beside this step
+        blocked["delete_wait"] = time.perf_counter() - t0
         if self.setup.capture:
             barrier(f"trainer read guidance of step {batch.step}")  # before process 0 deletes it
             if is_primary():

@@ -28,8 +28,9 @@ from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
 
 PHASES = ("time_rollout_s", "time_guidance_io_s", "time_train_s")
-# The guidance I/O's parts: the write still committing when the trainer needs it, and the read.
-GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s")
+# The guidance I/O's parts: the write still committing when the trainer needs it, the read, and
+# the wait for the previous step's deletion (logs of older runs lack the last).
+GUIDANCE_IO_PARTS = ("time_guidance_write_s", "time_guidance_read_s", "time_guidance_delete_wait_s")
 # What a timing run's process records beside its logs: the rollout's kernels, its peak memory.
 RUN_FILE = "step_time_run.json"
 PROFILE_DIR = "profile"  # `run_method`'s profiler trace, beside the run's logs
