@@ -70,17 +70,19 @@ def smooth(x: Sequence[float], window: int = 10) -> np.ndarray:
 
 
 def plot_adaptation(
-    ax, adapt: dict, sft_score: float | None, colors: dict[str, str] | None = None
+    ax, adapt: dict, sft_scores: dict[str, float], colors: dict[str, str] | None = None
 ) -> None:
     """The adaptation curve on `ax`: `adapt`'s run and reference (mean, the reference's seed std
-    as error bars) on the hardest split at every evaluation step, from the SFT score (step -1)
-    when known; a dotted line where the run first matches. `colors`: label -> matplotlib color."""
+    as error bars) on the hardest split at every evaluation step, from each one's SFT score
+    (step -1, under its own execution) when `sft_scores` (label -> score) has both; a dotted
+    line where the run first matches. `colors`: label -> matplotlib color."""
     run, ref = adapt["run"], adapt["reference"]
     steps = [p["step"] for p in adapt["points"]]
     run_y = [p[run] for p in adapt["points"]]
     ref_y = [p[ref] for p in adapt["points"]]
-    if sft_score is not None:
-        steps, run_y, ref_y = [-1, *steps], [sft_score, *run_y], [sft_score, *ref_y]
+    if run in sft_scores and ref in sft_scores:
+        steps = [-1, *steps]
+        run_y, ref_y = [sft_scores[run], *run_y], [sft_scores[ref], *ref_y]
     ref_err = [0.0] * (len(steps) - len(adapt["points"])) + [p["ref_std"] for p in adapt["points"]]
     colors = colors or {}
     ax.errorbar(
@@ -99,12 +101,13 @@ def plot(table: Table, workdir: str, path: str, adapt: dict | None = None) -> No
     """Curves over the finished seeds of every run: reward, train-rollout gap, benchmark average
     pass@1 from the SFT start, and the adaptation curve when there is one."""
     fig, axes = plt.subplots(1, 4 if adapt else 3, figsize=(18.5 if adapt else 14, 3.6))
-    start = agg.sft_row(table, workdir)
+    starts = {label: agg.start_row(table, workdir, label) for label in table.labels}
     for c in agg.curves(table, workdir):
         for ax, key in zip(axes[:2], ("reward", "train_rollout_gap_mean"), strict=True):
             ax.plot(c["steps"], smooth(c[key]), label=c["run"])
         steps, score = c["eval_steps"], c["score"]
-        if start is not None:  # the starting point of every run
+        start = starts[c["run"]]
+        if start is not None:  # the SFT policy under the run's own execution
             steps, score = [-1, *steps], [start["average"], *score]
         axes[2].plot(steps, score, "o-", label=c["run"])
     titles = (
@@ -118,7 +121,8 @@ def plot(table: Table, workdir: str, path: str, adapt: dict | None = None) -> No
     axes[0].legend(fontsize=7)
     if adapt:
         colors = {label: f"C{i}" for i, label in enumerate(table.labels)}
-        plot_adaptation(axes[3], adapt, None if start is None else start[adapt["split"]], colors)
+        scores = {lb: r[adapt["split"]] for lb, r in starts.items() if r is not None}
+        plot_adaptation(axes[3], adapt, scores, colors)
     fig.suptitle(f"{table.title}: mean over finished seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

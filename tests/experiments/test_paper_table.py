@@ -103,7 +103,7 @@ def test_parse_shard():
             paper_table.parse_shard(bad)
 
 
-def test_adaptation_curve_draws_both_runs_from_the_sft_score(monkeypatch):
+def test_adaptation_curve_draws_each_run_from_its_own_sft_score(monkeypatch):
     adapt = {
         "split": "arith_countdown_l3", "run": "trace", "reference": "bf16", "matched_at": 49,
         "points": [{"step": 49, "trace": 0.30, "bf16": 0.31, "ref_std": 0.02},
@@ -119,14 +119,14 @@ def test_adaptation_curve_draws_both_runs_from_the_sft_score(monkeypatch):
 
         monkeypatch.setattr(matplotlib.axes.Axes, method, record)
     fig, ax = matplotlib.pyplot.subplots()
-    paper_table.plot_adaptation(ax, adapt, sft_score=0.2)
+    paper_table.plot_adaptation(ax, adapt, {"bf16": 0.2, "trace": 0.15})
     matplotlib.pyplot.close(fig)
     assert calls[0] == ("errorbar", ([-1, 49, 99], [0.2, 0.31, 0.32]), [0.0, 0.02, 0.01])
-    assert calls[1][:2] == ("plot", ([-1, 49, 99], [0.2, 0.30, 0.33], "s-"))
+    assert calls[1][:2] == ("plot", ([-1, 49, 99], [0.15, 0.30, 0.33], "s-"))
     assert calls[2][:2] == ("axvline", (49,))
     calls.clear()
     fig, ax = matplotlib.pyplot.subplots()
-    paper_table.plot_adaptation(ax, {**adapt, "matched_at": None}, sft_score=None)
+    paper_table.plot_adaptation(ax, {**adapt, "matched_at": None}, {"bf16": 0.2})
     matplotlib.pyplot.close(fig)
     assert calls[0] == ("errorbar", ([49, 99], [0.31, 0.32]), [0.02, 0.01])
     assert [c[0] for c in calls] == ["errorbar", "plot"]  # never matched: no line

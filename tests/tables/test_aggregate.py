@@ -96,3 +96,24 @@ def test_logs_under_older_split_names_aggregate_under_the_current_ones(tmp_path)
     assert agg.adaptation(table, old) == agg.adaptation(table, new)
     assert agg.adaptation(table, old)["split"] == "arith_countdown_l2"
     assert agg.curves(table, old) == agg.curves(table, new)
+
+
+def test_each_run_starts_from_the_sft_score_under_its_own_execution(tmp_path):
+    """bf16 rollouts start from the bf16 evaluation of the SFT policy, FP4 ones from the FP4
+    evaluation of their format; a format the SFT stage did not evaluate has no start."""
+    table = _table(format="nvfp4")
+    assert agg.run_execution(table, "bf16") == "bf16"
+    assert agg.run_execution(table, "trace") == "nvfp4"
+    support.write_sft_eval(
+        tmp_path,
+        {
+            "bf16": {"level1": 0.3, "arith_countdown_l2": 0.2},
+            "nvfp4": {"level1": 0.1, "arith_countdown_l2": 0.4},
+        },
+    )
+    assert agg.start_row(table, str(tmp_path), "bf16")["level1"] == 0.3
+    assert agg.start_row(table, str(tmp_path), "trace")["level1"] == 0.1
+    assert agg.start_row(table, str(tmp_path), "trace")["run"] == "SFT start (nvfp4)"
+    mx = _table(format="mxfp4_w4a4")
+    assert agg.run_execution(mx, "trace") == "mxfp4_w4a4"
+    assert agg.start_row(mx, str(tmp_path), "trace") is None

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trace_jax.quant import SiteMode
+from trace_jax.rl.methods import get_method
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.tables.grid import Table, benchmark_average, benchmark_splits, run_dir, sft_dir
 from trace_jax.tables.train import eval_rows, final_eval, finished_seeds
@@ -109,6 +111,18 @@ def sft_row(table: Table, workdir: str, execution: str = "bf16") -> dict | None:
     row = {"run": f"SFT start ({execution})", **{s: float(by_split[s]) for s in splits}}
     row["average"] = benchmark_average(by_split, splits)
     return row
+
+
+def run_execution(table: Table, label: str) -> str:
+    """How run `label`'s rollouts and held-out evaluations execute: "bf16" for a method whose
+    rollout quantizes nothing, else its FP4 format (e.g. "nvfp4")."""
+    rl = table.run_config(label, table.seeds[0]).rl
+    return "bf16" if get_method(rl.method).rollout_mode == SiteMode.OFF else rl.format
+
+
+def start_row(table: Table, workdir: str, label: str) -> dict | None:
+    """Where run `label` starts: `sft_row` under the run's own execution (`run_execution`)."""
+    return sft_row(table, workdir, run_execution(table, label))
 
 
 def sft_rows(table: Table, workdir: str) -> list[dict]:
