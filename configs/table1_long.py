@@ -48,7 +48,11 @@ better held-out start, and still no method improved: REPORT section 6).
 96 held-out problems per split (half the evaluation noise of 48) at steps 29 and 59. Four runs of
 twice `pilot`'s trainer memory: start them with `PER_GPU=4`. Estimated from `pilot_strong_start`'s
 hold (eight runs of 40 x 64 rows in 12 minutes, the FP4 ones about 2.5x a bf16 run's time): about
-15 minutes for the runs, 20 with the SFT stage.
+15 minutes for the runs, 20 with the SFT stage (measured: 2 minutes of SFT, 11.5 minutes of
+runs, one of them retried after running out of GPU memory).
+`pilot_more_rows_all`: `pilot_more_rows` with every method but QaRL (the SFT stage differs from
+one machine to the next, so every method of a comparison runs in one hold). Eight runs at four a
+GPU: two rounds of about 8-9 minutes after the SFT stage, about 20-22 minutes in all.
 """
 
 import ml_collections
@@ -79,6 +83,10 @@ PILOTS = {
         "methods": ("bf16", "fp4_qat"),
         "eval_problems": 96,
     },
+}
+PILOTS["pilot_more_rows_all"] = {
+    **PILOTS["pilot_more_rows"],
+    "methods": ("bf16", "fp4_qat", "quads", "trace"),
 }
 
 
