@@ -10,7 +10,7 @@ import ml_collections
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The Qwen3-30B-A3B expert shape on the H200 (37 kernels); `arg="smoke"`: a tiny shape in
+    """The Qwen3-30B-A3B expert shape on the H200 (43 kernels); `arg="smoke"`: a tiny shape in
     interpret mode, every variant and option once, one timed call each."""
     c = ml_collections.ConfigDict()
     c.smoke = False  # one warm-up and one timed call per kernel (numbers meaningless)
@@ -25,6 +25,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.no_hints = ("stream", "full")  # timed again without the alignment hints
     c.split_k = (2, 4)  # K splits, at the first block config
     c.split_k_variants = ("full", "bf16w")
+    # experts walked in turn by one program, at the first block config: fewer, longer programs
+    c.experts_per_program = (4, 16)
+    c.experts_per_program_variants = ("stream", "f16asm", "bf16w")
     # (block_n, block_k, num_warps, num_stages): the FP4 kernel's decode default, a wide-tile
     # config and the prefill tiles (every variant runs every one).
     c.block_configs = ((64, 256, 4, 3), (128, 256, 8, 3), (128, 128, 4, 3))
@@ -34,6 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.ceiling_bytes = 1 << 20
         c.experts, c.d_model, c.d_ff = 2, 256, 128
         c.split_k = (2,)
+        c.experts_per_program = (2,)
         c.block_configs = ((64, 128, 4, 3),)
         c.rounds = 1
     elif arg:

@@ -30,26 +30,21 @@ the one before it:
 Every variant runs every block config with the K offsets hinted aligned (`pl.multiple_of`); the
 `config.no_hints` variants again without the hints, and the `config.split_k_variants` with K split
 over `config.split_k` programs (partial products summed by XLA after the kernel, inside the timed
-call). Each kernel is compiled and run once, then all are timed in alternating rounds
-(`harness.time_interleaved`). Per row: microseconds, the weight bytes the body reads (codes, plus
-block scales where it reads them, or bf16 weights; the activation tile and the output are left out:
-the question is what the weight path costs) and GB/s, the byte limit (those bytes at the read
-bandwidth measured in the same run, `harness.ceilings`) and the ratio to it, and the time over the
-bf16 twin's (same block config and K split, with hints), as the median of the per-round ratios. Each
-variant that computes the product (full, f16, f16asm, full32) is checked against the float32 XLA
-reference of the op (`kernels_pallas.fp4_moe_matmul.reference.fp4_moe_matmul_reference`) on the same
-packed weights: its relative error is in the row, and one over `REL_TOL` makes the row an error,
-untimed. Below the table: each variant's fastest row (`best_by_variant`).
+call), and the `config.experts_per_program_variants` with each program walking
+`config.experts_per_program` experts in turn (grid (G / E, N / block_n, split_k): fewer, longer
+programs over the same bytes). Each kernel is compiled and run once, then all are timed in
+alternating rounds (`harness.time_interleaved`). Per row: microseconds, the weight bytes the body
+reads (codes, plus block scales where it reads them, or bf16 weights; the activation tile and the
+output are left out: the question is what the weight path costs) and GB/s, the byte limit (those
+bytes at the read bandwidth measured in the same run, `harness.ceilings`) and the ratio to it, and
+the time over the bf16 twin's (same block config and K split, with hints), as the median of the
+per-round ratios. Each variant that computes the product (full, f16, f16asm, full32) is checked
+against the float32 XLA reference of the op
+(`kernels_pallas.fp4_moe_matmul.reference.fp4_moe_matmul_reference`) on the same packed weights: its
+relative error is in the row, and one over `REL_TOL` makes the row an error, untimed. Below the
+table: each variant's fastest row (`best_by_variant`).
 
-What the H200 runs of these bodies show. Without the alignment hints even `stream` runs several
-times over its byte limit (Triton cannot prove the K offsets aligned and issues narrow loads); with
-them the stream, as bytes or as words, comes within a small factor of it. The bf16 twin runs near
-its byte limit. The FP4 bodies that decode run several times over theirs: the work after the loads
-(decode, scales, dots) adds about as much time again as the loads take. At decode the FP4 path is
-bound by the work on each loaded byte, not by the bytes, so it ends near the bf16 twin's time
-instead of the byte ratio's fraction of it. Word loads and split-K move this by less than the gap
-(the float16 rows say how much of it the convert instructions are); an FP4 decode that beats bf16
-by the byte ratio on Hopper needs less work per weight element.
+What the H200 runs show, and what each expectation was: docs/kernels.md (fp4_moe_matmul).
 
 Writes `<outdir>/<name>.{md,json}` (default `moe_matmul_ablation`).
 """
@@ -247,17 +242,20 @@ class Case:
     num_stages: int
     hints: bool = True
     split_k: int = 1
+    experts_per_program: int = 1
 
     @property
     def block(self) -> str:
-        return f"bn{self.block_n} bk{self.block_k} w{self.num_warps} s{self.num_stages}"
+        e = f" e{self.experts_per_program}" if self.experts_per_program > 1 else ""
+        return f"bn{self.block_n} bk{self.block_k} w{self.num_warps} s{self.num_stages}{e}"
 
     @property
     def label(self) -> str:
         return f"{self.variant} {self.block} hints={self.hints} split_k={self.split_k}"
 
     def twin(self) -> Case:
-        """The bf16-weights case this one is compared with: same block and split, with hints."""
+        """The bf16-weights case this one is compared with: same block, split and experts per
+        program, with hints."""
         return dataclasses.replace(self, variant=BF16_TWIN, hints=True)
 
 
@@ -266,6 +264,8 @@ def check_case(case: Case, g: int, k: int, n: int) -> None:
     planes = WEIGHT_LAYOUTS[VARIANTS[case.variant].layout]
     if n % case.block_n:
         raise ValueError(f"block_n={case.block_n} must divide N={n}")
+    if g % case.experts_per_program:
+        raise ValueError(f"experts_per_program={case.experts_per_program} must divide G={g}")
     if k % (case.block_k * case.split_k):
         raise ValueError(f"block_k={case.block_k} x split_k={case.split_k} must divide K={k}")
     if case.block_k % SCALE_BLOCK or case.block_k // planes < MIN_DOT_DIM:
@@ -289,22 +289,31 @@ def run_case(weights, s_bits, x_planes, out_scale, *, case: Case, interpret: boo
     planes, gr, k_plane = x_planes.shape
     k, r = k_plane * planes, gr // g
     check_case(case, g, k, n)
-    bn, bk, splits = case.block_n, case.block_k, case.split_k
+    bn, bk, splits, epp = case.block_n, case.block_k, case.split_k, case.experts_per_program
     k_split = k // splits
 
     def kernel(w_ref, s_ref, x_ref, f_ref, o_ref):
-        gi = pl.program_id(0)
         k_base = pl.program_id(2) * k_split
-        row0 = gi * r
-        rows = pl.ds(pl.multiple_of(row0, r) if case.hints else row0, r)
+        first = pl.program_id(0) * epp  # read outside the loop: interpret mode needs it there
 
-        def k_step(kk, acc):
-            k0 = k_base + kk * bk
-            step = KStep(w_ref, s_ref, x_ref, gi, rows, k0, bk, planes, case.hints, interpret)
-            return variant.body(step, acc)
+        def expert(e, carry):
+            gi = first + e
+            row0 = gi * r
+            rows = pl.ds(pl.multiple_of(row0, r) if case.hints else row0, r)
 
-        acc = jax.lax.fori_loop(0, k_split // bk, k_step, jnp.zeros((r, bn), jnp.float32))
-        o_ref[0, rows, :] = acc * f_ref[gi]
+            def k_step(kk, acc):
+                k0 = k_base + kk * bk
+                step = KStep(w_ref, s_ref, x_ref, gi, rows, k0, bk, planes, case.hints, interpret)
+                return variant.body(step, acc)
+
+            acc = jax.lax.fori_loop(0, k_split // bk, k_step, jnp.zeros((r, bn), jnp.float32))
+            o_ref[0, rows, :] = acc * f_ref[gi]
+            return carry
+
+        if epp == 1:  # no expert loop: the production kernel's program
+            expert(0, 0)
+        else:
+            jax.lax.fori_loop(0, epp, expert, 0)
 
     def panel(a):  # expert-major [G, N, ...]: all experts' rows of column tile j
         return pl.BlockSpec((g, bn, a.shape[2]), lambda i, j, s: (0, j, 0))
@@ -312,7 +321,7 @@ def run_case(weights, s_bits, x_planes, out_scale, *, case: Case, interpret: boo
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, gr, n), jnp.float32),
-        grid=(g, n // bn, splits),
+        grid=(g // epp, n // bn, splits),
         in_specs=[
             panel(weights),
             panel(s_bits),
@@ -329,8 +338,10 @@ def run_case(weights, s_bits, x_planes, out_scale, *, case: Case, interpret: boo
 
 def cases(config: ConfigDict) -> list[Case]:
     """Every variant at every block config; the `no_hints` variants again without hints; the
-    `split_k_variants` at each K split of `split_k`, at the first block config."""
-    for name in (*config.variants, *config.no_hints, *config.split_k_variants):
+    `split_k_variants` at each K split of `split_k` and the `experts_per_program_variants` at
+    each of `experts_per_program`, at the first block config."""
+    epp_variants = config.experts_per_program_variants
+    for name in (*config.variants, *config.no_hints, *config.split_k_variants, *epp_variants):
         if name not in VARIANTS:
             raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
     if not config.block_configs:
@@ -341,6 +352,11 @@ def cases(config: ConfigDict) -> list[Case]:
         out += [Case(v, *block, hints=False) for v in config.no_hints]
     first = config.block_configs[0]
     out += [Case(v, *first, split_k=s) for s in config.split_k for v in config.split_k_variants]
+    out += [
+        Case(v, *first, experts_per_program=e)
+        for e in config.experts_per_program
+        for v in epp_variants
+    ]
     return out
 
 

@@ -35,9 +35,10 @@ def unlowerable_body(step, acc):  # stands in for a body Triton cannot lower
 
 
 def test_smoke_run_times_every_case_and_records_failures(monkeypatch, tmp_path):
-    """Every variant, the unhinted and the split-K cases get a timed row with the byte limit and
-    the bf16 twin's ratio; the product variants match the reference; a wrong product and a body
-    that fails are error rows without losing the others; the result files hold the rows."""
+    """Every variant, the unhinted, the split-K and the several-experts-a-program cases get a timed
+    row with the byte limit and the bf16 twin's ratio; the product variants match the reference;
+    a wrong product and a body that fails are error rows without losing the others; the result
+    files hold the rows."""
     full = abl.VARIANTS["full"]
     monkeypatch.setitem(abl.VARIANTS, "swapped", dataclasses.replace(full, body=swapped_body))
     monkeypatch.setitem(abl.VARIANTS, "broken", dataclasses.replace(full, body=unlowerable_body))
@@ -45,14 +46,17 @@ def test_smoke_run_times_every_case_and_records_failures(monkeypatch, tmp_path):
     config.variants = (*config.variants, "swapped", "broken")
     rows = abl.run(config, outdir=str(tmp_path), name="abl")
 
-    by_case = {(r["variant"], r["hints"], r["split_k"]): r for r in rows}
+    by_case = {(r["variant"], r["hints"], r["split_k"], r["experts_per_program"]): r for r in rows}
     assert len(by_case) == len(rows)
-    expected = {(v, True, 1) for v in config.variants}
-    expected |= {(v, False, 1) for v in config.no_hints}
-    expected |= {(v, True, s) for v in config.split_k_variants for s in config.split_k}
-    assert set(by_case) == expected
-    assert "differs from the reference" in by_case["swapped", True, 1]["error"]
-    assert "simulated lowering failure" in by_case["broken", True, 1]["error"]
+    expected = {(v, True, 1, 1) for v in config.variants}
+    expected |= {(v, False, 1, 1) for v in config.no_hints}
+    expected |= {(v, True, s, 1) for v in config.split_k_variants for s in config.split_k}
+    epp = config.experts_per_program
+    expected |= {(v, True, 1, e) for v in config.experts_per_program_variants for e in epp}
+    assert epp and set(by_case) == expected
+    assert by_case["f16asm", True, 1, epp[0]]["block"].endswith(f" e{epp[0]}")
+    assert "differs from the reference" in by_case["swapped", True, 1, 1]["error"]
+    assert "simulated lowering failure" in by_case["broken", True, 1, 1]["error"]
 
     g, k, n = config.experts, config.d_model, config.d_ff
     codes, scales, bf16 = g * n * k // 2, g * n * k // 16, 2 * g * n * k
@@ -96,14 +100,17 @@ def test_unknown_variants_and_tiles_are_refused():
         abl.check_case(abl.Case("full32", 64, 64, 4, 3), 2, 256, 128)
     with pytest.raises(ValueError, match="block_k=128 x split_k=4 must divide K=256"):
         abl.check_case(abl.Case("full", 64, 128, 4, 3, split_k=4), 2, 256, 128)
+    with pytest.raises(ValueError, match="experts_per_program=4 must divide G=2"):
+        abl.check_case(abl.Case("full", 64, 128, 4, 3, experts_per_program=4), 2, 256, 128)
 
 
-LOWERED = [(v, True, 1) for v in abl.VARIANTS] + [("stream", False, 1), ("full", False, 2)]
+LOWERED = [(v, True, 1, 1) for v in abl.VARIANTS]
+LOWERED += [("stream", False, 1, 1), ("full", False, 2, 1), ("f16asm", True, 1, 2)]
 
 
-@pytest.mark.parametrize("variant, hints, split_k", LOWERED)
+@pytest.mark.parametrize("variant, hints, split_k, experts_per_program", LOWERED)
 def test_every_body_lowers_through_triton_without_a_gpu(
-    h200_triton_lowering, variant, hints, split_k
+    h200_triton_lowering, variant, hints, split_k, experts_per_program
 ):
     """Each body, inline PTX included, lowers to Triton IR for an H200 (a body Triton cannot
     lower would cost a GPU run to find out)."""
@@ -117,7 +124,7 @@ def test_every_body_lowers_through_triton_without_a_gpu(
         jax.ShapeDtypeStruct((planes, g * r, k // planes), spec.dtype),
         jax.ShapeDtypeStruct((g,), jnp.float32),
     )
-    case = abl.Case(variant, 64, 128, 4, 3, hints=hints, split_k=split_k)
+    case = abl.Case(variant, 64, 128, 4, 3, hints, split_k, experts_per_program)
     op = functools.partial(abl.run_case, case=case, interpret=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
