@@ -1,15 +1,16 @@
 r"""Where a rollout's time goes on the device: its kernels, per decode step and in prefill.
 
-The rollout of `experiments/rollout_throughput.py` (same model, variants and compiled `generate`)
-runs twice per variant under `jax.profiler.trace`: whole (N new tokens) and as prefill + the first
-sample (1). Every kernel the device ran is read back from the profile's trace (the events of the
-device's "Stream" threads: one event per kernel launch or copy, so nothing is counted twice); per
-kernel name, the prefill's share is the one-token rollout's time, and a decode step's share is
-(whole - one-token) / (N - 1), the same slope `rollout_throughput` times. Kernels are grouped
-(`kernel_group`): the Pallas FP4 kernels, the bf16 Pallas grouped matmul, library matmuls (cuBLAS /
-cuDNN / CUTLASS), XLA fusions, copies and the rest. Device-busy time is the sum of kernel times
-(streams overlap little in these programs); the gap to the step's wall time is launch latency and
-idle. On the CPU backend (the smoke run) the host's XLA thunks stand in for kernels.
+The rollout of `experiments/rollout_throughput.py` (`trace_jax.rollout.variants`: the same model,
+variants and compiled `generate`) runs twice per variant under `jax.profiler.trace`: whole (N new
+tokens) and as prefill + the first sample (1). Every kernel the device ran is read back from the
+profile's trace (the events of the device's "Stream" threads: one event per kernel launch or copy,
+so nothing is counted twice); per kernel name, the prefill's share is the one-token rollout's time,
+and a decode step's share is (whole - one-token) / (N - 1), the same slope `rollout_throughput`
+times. Kernels are grouped (`kernel_group`): the Pallas FP4 kernels, the bf16 Pallas grouped matmul,
+library matmuls (cuBLAS / cuDNN / CUTLASS), XLA fusions, copies and the rest. Device-busy time is
+the sum of kernel times (streams overlap little in these programs); the gap to the step's wall time
+is launch latency and idle. On the CPU backend (the smoke run) the host's XLA thunks stand in for
+kernels.
 
 Results: `<outdir>/<name>.{json,md}`, per variant and phase the groups and the top kernels.
 Command lines: configs/profile_rollout.py.
@@ -34,7 +35,14 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from experiments import harness
-from experiments.rollout_throughput import RolloutBench
+from trace_jax.rl.config_dict import from_section
+from trace_jax.rl.experiment import ModelSpec
+from trace_jax.rollout.variants import (
+    compile_rollout,
+    rollout_inputs,
+    rollout_policy,
+    run_full_length,
+)
 
 # (group, pattern on the lower-cased kernel name); the first match wins
 KERNEL_GROUPS = (
@@ -174,26 +182,27 @@ def difference(a: dict, b: dict) -> dict[str, dict[str, float]]:
 
 
 def profile_variant(
-    bench: RolloutBench, variant: str, row, log_dir: str, top: int, keep_dir: str | None = None
+    config: ConfigDict, policy: tuple, variant: str, row, log_dir: str, keep_dir: str | None = None
 ) -> dict:
-    """Compiles and warms `variant`'s rollout of `row` (`RolloutBench.prepare`), times it whole
-    and as prefill + one sample (`config.repeats` alternating rounds, medians), then profiles
-    each once -> {"prefill": ..., "decode_step": ...}: `phase_summary` plus the phase's wall time
-    ("wall_ms") and the busy share of it ("busy_fraction"; None where the wall time is not
-    positive, as a noisy slope over few steps can be). The two traces are copied to
+    """Compiles `variant`'s rollout of `row` on `policy` (`rollout_policy`'s (cfg, graphdef,
+    params)) and warms it up, times it whole and as prefill + one sample (`config.repeats`
+    alternating rounds, medians), then profiles each once -> {"prefill": ..., "decode_step": ...}:
+    `phase_summary` (`config.top` kernels) plus the phase's wall time ("wall_ms") and the busy
+    share of it ("busy_fraction"; None where the wall time is not positive, as a noisy slope over
+    few steps can be). The two traces are copied to
     `keep_dir/<variant>_{whole,prefill}.trace.json.gz` where given."""
-    batch, prompt_len, new_tokens = row
+    (batch, prompt_len, new_tokens), (cfg, graphdef, params) = row, policy
     if new_tokens < 2:
         raise ValueError(f"a decode step needs at least 2 new tokens, got {new_tokens}")
-    prompts = jax.random.randint(
-        jax.random.key(1), (batch, prompt_len), 3, bench.cfg.vocab_size, jnp.int32
+    inputs = rollout_inputs(cfg, params, batch, prompt_len)
+    chunk = config.prefill_chunk_tokens
+    ready = compile_rollout(
+        cfg, graphdef, inputs, variant, new_tokens, fmt=config.format, prefill_chunk_tokens=chunk
     )
-    inputs = bench.params, prompts, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(2)
-    compiled = bench.prepare(variant, row, inputs)["call"]
+    run_full_length(ready, inputs, variant, new_tokens)
+    compiled, top = ready["call"], config.top
     calls = {n: (compiled, (*inputs, jnp.int32(n))) for n in (new_tokens, 1)}
-    rounds = harness.time_interleaved(
-        calls, rounds=bench.config.repeats, inner=1, trials=1, warmup=0
-    )
+    rounds = harness.time_interleaved(calls, rounds=config.repeats, inner=1, trials=1, warmup=0)
     slopes = [
         (a - b) / (new_tokens - 1) for a, b in zip(rounds[new_tokens], rounds[1], strict=True)
     ]
@@ -241,14 +250,14 @@ def markdown(records: dict) -> str:
 def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
     """Profiles every variant of `config.row` and writes `<outdir>/<name>.{json,md}`."""
     row = tuple(int(x) for x in config.row)
-    bench = RolloutBench(config, read_bw=1.0)  # no byte limits here: no bandwidth measured
+    policy = rollout_policy(from_section(ModelSpec, config.model).build())
     records = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in config.variants:
             logging.info("profiling %s at %s", variant, row)
             keep = os.path.join(outdir, f"{name}_traces") if config.keep_traces else None
             records[variant] = profile_variant(
-                bench, variant, row, f"{tmp}/{variant}", config.top, keep
+                config, policy, variant, row, f"{tmp}/{variant}", keep
             )
             for phase, s in records[variant].items():
                 print(
@@ -258,7 +267,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
                 )
     table = markdown(records)
     notes = (
-        f"Model: `{config.model.preset}` cut to {bench.cfg.n_layers} blocks, bf16 parameters, "
+        f"Model: `{config.model.preset}` cut to {policy[0].n_layers} blocks, bf16 parameters, "
         f"random weights; row (batch, prompt, new tokens) = {row}; FP4 format {config.format}. "
         "Wall: medians of alternating timed rounds; kernels: the sum of device kernel times in one "
         "profiled call. A decode step: (whole rollout - one-token rollout) / (N - 1)."

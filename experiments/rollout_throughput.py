@@ -5,7 +5,7 @@ The paper's speed claim (SPEC section 8): FP4 rollouts run faster than bf16, and
 guidance keeps them near plain FP4 (full guidance costs more). This runs the real sampler
 (`trace_jax.rollout.generate`: chunked prefill + the jitted decode loop) on a randomly initialized
 model with bf16 parameters (initialized on the device), with no stop token so that every sequence
-decodes all its new tokens. Variants (`VARIANTS`):
+decodes all its new tokens. Variants (`trace_jax.rollout.variants.ROLLOUT_VARIANTS`):
 
   * bf16           : no quantization; routed experts by the config's `model.grouped_matmul`;
   * fp4            : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
@@ -45,123 +45,37 @@ only redraws the PNG. Sizes and launch commands: configs/rollout_throughput.py.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import statistics
-import time
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import matplotlib
 from absl import app, flags, logging
-from flax import nnx
 from ml_collections import ConfigDict
 
 from experiments import harness
-from trace_jax.fp4 import GuidanceMode
-from trace_jax.models import (
-    ModelConfig,
-    abstract_model,
-    active_param_count,
-    init_cache,
-    init_model,
-    pack_model_experts,
-)
-from trace_jax.quant import SiteMode
+from trace_jax.models import ModelConfig, active_param_count
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
-from trace_jax.rl.methods import get_method
-from trace_jax.rollout import SamplingConfig, generate
+from trace_jax.rollout.variants import (
+    ROLLOUT_VARIANTS,
+    compile_rollout,
+    decode_step_bytes,
+    rollout_inputs,
+    rollout_policy,
+    run_full_length,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A rollout configuration: FP4 W/A/KV or bf16, the kernels ("xla" | "pallas"), and what
-    guidance it records: None, "method" (TRACE's compact guidance at its guided sites) or "all"
-    (full codes at every FP4 site)."""
-
-    fp4: bool
-    implementation: str
-    capture: str | None = None
-
-    @property
-    def packs_experts(self) -> bool:
-        """Whether the sampler runs the experts on packed FP4 weights (it does on "pallas")."""
-        return self.fp4 and self.implementation == "pallas"
-
-
-VARIANTS = {
-    "bf16": Variant(False, "xla"),
-    "fp4": Variant(True, "pallas"),
-    "fp4 + compact": Variant(True, "pallas", "method"),
-    "fp4 + full": Variant(True, "pallas", "all"),
-    "fp4 xla": Variant(True, "xla"),
-}
 REQUIRED_ROW_KEYS = ("batch", "prompt_len", "new_tokens", "variants")
 TABLE_COLUMNS = ["batch", "prompt_len", "new_tokens", "variant", "tokens_per_s", "speedup_vs_bf16"]
 TABLE_COLUMNS += ["prefill_ms", "decode_ms_per_step", "byte_limit_ms", "byte_limit_ratio"]
 TABLE_COLUMNS += ["compile_s", "temp_gib", "error"]
 COMPILE_COLUMNS = [*TABLE_COLUMNS[:4], "compile_s", "temp_gib", "error"]
-
-
-def rollout_kwargs(
-    cfg: ModelConfig, variant: str, new_tokens: int, fmt: str, prefill_chunk_tokens: int | None
-) -> dict:
-    """`generate`'s static keyword arguments for `variant` and `new_tokens` new tokens."""
-    v = VARIANTS[variant]
-    setup = get_method("trace").setup(fmt, cfg.n_layers)
-    keys, mode = (), GuidanceMode.COMPACT
-    if v.capture == "method":
-        keys, mode = setup.capture, setup.capture_mode
-    elif v.capture == "all":
-        keys, mode = setup.rollout_qcfg.all_keys(cfg.n_layers), GuidanceMode.FULL
-    chunk = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
-    return dict(
-        sampling=SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, **chunk),  # no stop
-        qcfg=setup.rollout_qcfg,
-        mode=SiteMode.RTN if v.fp4 else SiteMode.OFF,
-        capture=tuple(keys),
-        capture_mode=mode,
-        implementation=v.implementation,
-    )
-
-
-def expected_active_experts(n_experts: int, top_k: int, tokens: int) -> float:
-    """Distinct experts that `tokens` tokens, each routed to `top_k` of `n_experts` uniformly at
-    random, touch on average: E * (1 - (1 - K/E)^B)."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
-
-
-def decode_step_bytes(
-    graphdef, params, variant: str, fmt: str, batch: int, context: int
-) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences at `context` cache slots must read, in
-    `variant`'s storage format (see the module docstring): "dense" weights, "embedding" rows,
-    routed "experts", "kv" cache, their "total"; and "active_experts" per layer."""
-    model = nnx.merge(graphdef, params)
-    cfg, v = model.cfg, VARIANTS[variant]
-    qcfg = get_method("trace").setup(fmt, cfg.n_layers).rollout_qcfg
-    experts = sum(harness.nbytes(b.moe.w_gate, b.moe.w_up, b.moe.w_down) for b in model.layers)
-    embedding = 0 if cfg.tie_embeddings else harness.nbytes(model.embed)  # tied: the LM head
-    dense = harness.nbytes(params) - experts - embedding
-    if v.packs_experts:
-        packed = jax.eval_shape(lambda p: pack_model_experts(nnx.merge(graphdef, p), qcfg), params)
-        experts = harness.nbytes(packed)
-    kv_fmt = qcfg.kv_format if v.fp4 else None
-    cache = jax.eval_shape(lambda: init_cache(cfg, batch=batch, max_len=context, kv_format=kv_fmt))
-    active = expected_active_experts(cfg.n_experts, cfg.top_k, batch)
-    out = {
-        "dense": float(dense),
-        "embedding": float(embedding * batch / cfg.vocab_size),
-        "experts": experts * active / cfg.n_experts,
-        "kv": float(harness.nbytes(cache.layers)),
-    }
-    return {**out, "total": sum(out.values()), "active_experts": active}
 
 
 def first_line(error: Exception) -> str:
@@ -177,15 +91,10 @@ class RolloutBench:
 
     def __init__(self, config: ConfigDict, read_bw: float):
         spec = from_section(ModelSpec, config.model)
-        # The rollout's copy of the policy is bf16 (the trainer keeps the fp32 master copy).
-        self.cfg = dataclasses.replace(spec.build(), param_dtype=jnp.bfloat16)
         self.config, self.read_bw = config, read_bw
-        # Made eagerly on the default device: one small compiled random op per distinct
-        # parameter shape, the same for any n_layers (one jitted init of the whole model compiles
-        # for minutes on an H200 at 12 blocks). Parameters are arguments of the rollouts, not
-        # constants folded into them.
-        model = abstract_model(self.cfg) if config.compile_only else init_model(self.cfg, seed=0)
-        self.graphdef, self.params = nnx.split(model)
+        self.cfg, self.graphdef, self.params = rollout_policy(
+            spec.build(), abstract=config.compile_only
+        )
 
     def estimate_s(self, row: tuple[int, int, int], compile_s: dict | None = None) -> dict:
         """Rough seconds `measure(row)` takes, by `config.estimate`: "compile_s" (measured per
@@ -204,28 +113,29 @@ class RolloutBench:
         for v in self.config.variants:
             step = decode_step_bytes(self.graphdef, self.params, v, fmt, batch, context)
             rollout_s = prefill_s + (new_tokens - 1) * step["total"] / self.read_bw * est.over_limit
-            per_block = est.fp4_compile_s if VARIANTS[v].fp4 else est.bf16_compile_s
+            per_block = est.fp4_compile_s if ROLLOUT_VARIANTS[v].fp4 else est.bf16_compile_s
             out["compile_s"] += (compile_s or {}).get(v, per_block * cfg.n_layers)
             out["run_s"] += (1 + repeats) * rollout_s + repeats * prefill_s
         return {**out, "total_s": out["compile_s"] + out["run_s"]}
 
     def prepare(self, variant: str, row: tuple[int, int, int], inputs) -> dict:
-        """Compiles `variant`'s rollout of `row` (one compile for every `new_token_limit`) and
-        runs one whole rollout as its warm-up (not with `config.compile_only`) -> {"call",
-        "compile_s", "temp_gib"}; raises what compiling or running raises."""
-        batch, _, new_tokens = row
+        """Compiles `variant`'s rollout of `row` (`compile_rollout`: one compile for every
+        `new_token_limit`) and runs one whole rollout as its warm-up (not with
+        `config.compile_only`) -> {"call", "compile_s", "temp_gib"}; raises what compiling or
+        running raises."""
+        new_tokens = row[2]
         fmt, chunk = self.config.format, self.config.prefill_chunk_tokens
-        kw = rollout_kwargs(self.cfg, variant, new_tokens, fmt, chunk)
-        t0 = time.perf_counter()
-        compiled = generate.lower(self.graphdef, *inputs, jnp.int32(new_tokens), **kw).compile()
-        ready = {"call": compiled, "compile_s": time.perf_counter() - t0}
-        stats = compiled.memory_analysis()  # None where the backend does not say
-        ready["temp_gib"] = None if stats is None else stats.temp_size_in_bytes / 2**30
+        ready = compile_rollout(
+            self.cfg,
+            self.graphdef,
+            inputs,
+            variant,
+            new_tokens,
+            fmt=fmt,
+            prefill_chunk_tokens=chunk,
+        )
         if not self.config.compile_only:
-            roll = jax.block_until_ready(compiled(*inputs, jnp.int32(new_tokens)))
-            decoded, want = int((roll.lengths - roll.prompt_lengths).sum()), batch * new_tokens
-            if decoded != want:  # the numbers assume full-length rollouts
-                raise RuntimeError(f"{variant}: {decoded} tokens decoded, want {want}")
+            run_full_length(ready, inputs, variant, new_tokens)
         return ready
 
     def measure(self, row: tuple[int, int, int], run: int) -> dict:
@@ -233,9 +143,7 @@ class RolloutBench:
         `config.compile_only` the entries hold compile seconds and memory only, and the record
         the row's `estimate_s` with these compile times."""
         (batch, prompt_len, new_tokens), fmt = row, self.config.format
-        shape, vocab = (batch, prompt_len), self.cfg.vocab_size  # `generate`'s array arguments:
-        prompts = jax.random.randint(jax.random.key(1), shape, 3, vocab, jnp.int32)
-        inputs = self.params, prompts, jnp.full((batch,), prompt_len, jnp.int32), jax.random.key(2)
+        inputs = rollout_inputs(self.cfg, self.params, batch, prompt_len)
         record = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens}
         entries, calls = {}, {}
         for variant in self.config.variants:
@@ -420,9 +328,9 @@ def plot_from(path: str) -> str:
 
 def check_config(config: ConfigDict) -> list[tuple[int, int, int]]:
     """The rows of `config`, checked with its variants; ValueError naming a bad one."""
-    unknown = sorted(set(config.variants) - set(VARIANTS))
+    unknown = sorted(set(config.variants) - set(ROLLOUT_VARIANTS))
     if unknown:
-        raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        raise ValueError(f"unknown variants {unknown}; choose from {list(ROLLOUT_VARIANTS)}")
     rows = [tuple(r) for r in config.rows]
     if not rows:
         raise ValueError("rows is empty; give (batch, prompt tokens, new tokens) rows")

@@ -19,6 +19,7 @@ from experiments import harness, rollout_throughput
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, abstract_model, init_model
 from trace_jax.quant import SiteMode
+from trace_jax.rollout import variants
 
 pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
@@ -27,14 +28,14 @@ OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 192.02GiB."
 
 def fail_full_capture(monkeypatch):
     """`fp4 + full` fails before compiling (as XLA's autotuner can fail on a GPU)."""
-    rollout_kwargs = rollout_throughput.rollout_kwargs
+    rollout_kwargs = variants.rollout_kwargs
 
     def kwargs_or_fail(cfg, variant, *args):
         if variant == "fp4 + full":
             raise RuntimeError(f"{OOM}\n(traceback lines)")
         return rollout_kwargs(cfg, variant, *args)
 
-    monkeypatch.setattr(rollout_throughput, "rollout_kwargs", kwargs_or_fail)
+    monkeypatch.setattr(variants, "rollout_kwargs", kwargs_or_fail)
 
 
 def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypatch):
@@ -43,14 +44,14 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
     # plotting are tested below without compiling).
     config.rows, config.variants = config.rows[:1], ("bf16", "fp4", "fp4 + full")
     fail_full_capture(monkeypatch)
-    lowered, generate = [], rollout_throughput.generate
+    lowered, generate = [], variants.generate
 
     class Generate:  # counts the compiles: one per variant serves both timed lengths
         def lower(self, *args, **kw):
             lowered.append((kw["mode"], kw["sampling"].max_new_tokens, int(args[-1])))
             return generate.lower(*args, **kw)
 
-    monkeypatch.setattr(rollout_throughput, "generate", Generate())
+    monkeypatch.setattr(variants, "generate", Generate())
     limits, time_interleaved = {}, harness.time_interleaved
 
     def timed(calls, **kw):  # the token limit each timed call passes to its compiled rollout
@@ -106,7 +107,7 @@ def test_compile_only_compiles_from_shapes_and_runs_nothing(tmp_path, monkeypatc
     def no_parameters(*args, **kw):
         raise AssertionError("compile_only made parameters")
 
-    monkeypatch.setattr(rollout_throughput, "init_model", no_parameters)
+    monkeypatch.setattr(variants, "init_model", no_parameters)
     (row,) = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
     bf16 = row["variants"]["bf16"]
     assert set(bf16) == {"compile_s", "temp_gib", "run"}  # compiled, never run
@@ -135,7 +136,7 @@ def test_estimate_adds_compiles_and_rollouts_at_the_assumed_rates():
     prefill_s = flops / 1e9
     run_s = 0.0
     for variant in config.variants:
-        step = rollout_throughput.decode_step_bytes(
+        step = variants.decode_step_bytes(
             bench.graphdef, bench.params, variant, "nvfp4", batch, prompt_len + 1
         )
         rollout_s = prefill_s + 2 * 4.0 * step["total"] / 1e6
@@ -183,12 +184,12 @@ def test_decode_step_bytes_count_dense_weights_touched_experts_and_the_cache():
     dense = 2 * (attention + d * e) + d + d * v  # + routers; final norm, LM head
     batch, context = 3, 10
     active = e * (1 - (1 - 2 / e) ** batch)
-    bf16 = rollout_throughput.decode_step_bytes(graphdef, params, "bf16", "nvfp4", batch, context)
+    bf16 = variants.decode_step_bytes(graphdef, params, "bf16", "nvfp4", batch, context)
     assert bf16["dense"] == 2 * dense and bf16["embedding"] == 2 * batch * d
     assert bf16["active_experts"] == pytest.approx(active)
     assert bf16["experts"] == pytest.approx(2 * active * 3 * f * d * 2)  # 2 layers, bf16
     assert bf16["kv"] == 2 * 2 * batch * context * kv * dh * 2  # layers, k and v, bf16
-    fp4 = rollout_throughput.decode_step_bytes(graphdef, params, "fp4", "nvfp4", batch, context)
+    fp4 = variants.decode_step_bytes(graphdef, params, "fp4", "nvfp4", batch, context)
     # NVFP4: 4-bit codes + one e4m3 scale per 16 values + a float32 global scale per expert
     # matrix (weights) or per cached head vector (cache)
     assert fp4["experts"] == pytest.approx(2 * active * 3 * (f * d // 2 + f * d // 16 + 4))
@@ -198,7 +199,7 @@ def test_decode_step_bytes_count_dense_weights_touched_experts_and_the_cache():
         total = r["dense"] + r["embedding"] + r["experts"] + r["kv"]
         assert r["total"] == pytest.approx(total)
     # "fp4 xla" fake-quantizes bf16 expert weights each step: it reads them unpacked
-    xla = rollout_throughput.decode_step_bytes(graphdef, params, "fp4 xla", "nvfp4", batch, context)
+    xla = variants.decode_step_bytes(graphdef, params, "fp4 xla", "nvfp4", batch, context)
     assert xla["experts"] == bf16["experts"] and xla["kv"] == fp4["kv"]
 
 
@@ -206,16 +207,16 @@ def test_expected_active_experts_is_the_mean_union_of_random_top_k_choices():
     e, k, b = 5, 2, 3
     choices = list(itertools.combinations(range(e), k))
     union = [len(set().union(*c)) for c in itertools.product(choices, repeat=b)]
-    expected = rollout_throughput.expected_active_experts(e, k, b)
+    expected = variants.expected_active_experts(e, k, b)
     assert expected == pytest.approx(statistics.mean(union))
-    assert rollout_throughput.expected_active_experts(128, 8, 1) == pytest.approx(8)
+    assert variants.expected_active_experts(128, 8, 1) == pytest.approx(8)
 
 
 def test_variants_set_the_rollouts_quantization_capture_and_kernels():
     cfg = ModelConfig.tiny(n_layers=2)
 
     def kwargs(variant):
-        return rollout_throughput.rollout_kwargs(cfg, variant, 5, "nvfp4", None)
+        return variants.rollout_kwargs(cfg, variant, 5, "nvfp4", None)
 
     bf16, fp4, compact, full, xla = map(
         kwargs, ["bf16", "fp4", "fp4 + compact", "fp4 + full", "fp4 xla"]
@@ -227,7 +228,7 @@ def test_variants_set_the_rollouts_quantization_capture_and_kernels():
     assert full["capture"] == fp4["qcfg"].all_keys(2) and full["capture_mode"] is GuidanceMode.FULL
     assert (xla["mode"], xla["implementation"]) == (SiteMode.RTN, "xla")
     assert fp4["sampling"].max_new_tokens == 5 and fp4["sampling"].stop_tokens == ()
-    chunked = rollout_throughput.rollout_kwargs(cfg, "fp4", 5, "nvfp4", 16)
+    chunked = variants.rollout_kwargs(cfg, "fp4", 5, "nvfp4", 16)
     assert chunked["sampling"].prefill_chunk_tokens == 16
 
 
