@@ -23,5 +23,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.repeats = 3  # timed rounds of the whole and the one-token rollout, for the wall times
     c.keep_traces = False  # True: the profiler's traces go to <outdir>/<name>_traces/
     if c.smoke:
-        c.row = (2, 8, 3)
+        c.row, c.repeats = (2, 8, 3), 1
     return c
