@@ -54,6 +54,7 @@ from trace_jax.fp4 import PackedTensorCache
 from trace_jax.rl.config_dict import ConfigError
 from trace_jax.rl.logs import quiet_third_party
 from trace_jax.rl.workdir import WorkdirConfigError
+from trace_jax.rollout.variants import tree_nbytes
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -416,8 +417,8 @@ def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
 
 
 def nbytes(*trees) -> int:
-    """Total bytes of all array leaves."""
-    return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
+    """Total bytes of all array leaves (`trace_jax.rollout.variants.tree_nbytes`)."""
+    return tree_nbytes(*trees)
 
 
 # Appended to the notes of a smoke run's results.

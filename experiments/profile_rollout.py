@@ -38,6 +38,7 @@ from experiments import harness
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rollout.variants import (
+    ROLLOUT_VARIANTS,
     compile_rollout,
     rollout_inputs,
     rollout_policy,
@@ -250,6 +251,11 @@ def markdown(records: dict) -> str:
 def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
     """Profiles every variant of `config.row` and writes `<outdir>/<name>.{json,md}`."""
     row = tuple(int(x) for x in config.row)
+    unknown = sorted(set(config.variants) - set(ROLLOUT_VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {list(ROLLOUT_VARIANTS)}")
+    if len(row) != 3 or row[2] < 2:
+        raise ValueError(f"row must be (batch, prompt tokens, new tokens >= 2), got {row}")
     policy = rollout_policy(from_section(ModelSpec, config.model).build())
     records = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -290,3 +290,14 @@ def test_markdown_writes_n_a_for_a_phase_without_positive_wall_time():
     assert "### fp4, prefill: 0.080 ms wall, 0.040 ms of kernels (50%), 2 kernels" in text
     assert "### fp4, decode step: -0.010 ms wall, 0.040 ms of kernels (n/a), 2 kernels" in text
     assert "| fusion_1 | xla fusion |" in text
+
+
+def test_unknown_variants_and_short_rows_are_refused_before_any_work(tmp_path):
+    config = config_module.get_config("smoke")
+    config.variants = ("bf16", "fp8")
+    with pytest.raises(ValueError, match=r"unknown variants \['fp8'\]; choose from"):
+        profile_rollout.run(config, outdir=str(tmp_path), name="p")
+    config.variants, config.row = ("bf16",), (2, 8, 1)
+    with pytest.raises(ValueError, match="new tokens >= 2"):
+        profile_rollout.run(config, outdir=str(tmp_path), name="p")
+    assert not list(tmp_path.iterdir())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import types
 
 import jax
 import jax.numpy as jnp
@@ -363,3 +364,19 @@ def test_harness_times_compiled_calls_as_they_are():
     compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
     rounds = harness.time_interleaved({"c": (compiled, (jnp.ones(3),))}, rounds=2, warmup=0)
     assert len(rounds["c"]) == 2 and all(t > 0 for t in rounds["c"])
+
+
+def test_a_rollout_that_stops_early_is_refused():
+    """Rates assume every sequence decodes all its new tokens: a short one raises."""
+
+    def call(*args):
+        return types.SimpleNamespace(
+            prompt_lengths=jnp.array([8, 8]), lengths=jnp.array([8 + int(args[-1]), 8 + 1])
+        )
+
+    inputs = (None, jnp.zeros((2, 8), jnp.int32), None, None)
+    with pytest.raises(RuntimeError, match="fp4: 4 tokens decoded, want 6"):
+        variants.run_full_length({"call": call}, inputs, "fp4", 3)
+    full = {"call": lambda *a: types.SimpleNamespace(prompt_lengths=jnp.array([8, 8]),
+                                                   lengths=jnp.array([11, 11]))}  # fmt: skip
+    variants.run_full_length(full, inputs, "fp4", 3)  # every sequence decoded 3: no error
