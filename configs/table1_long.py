@@ -52,7 +52,15 @@ hold (eight runs of 40 x 64 rows in 12 minutes, the FP4 ones about 2.5x a bf16 r
 runs, one of them retried after running out of GPU memory).
 `pilot_more_rows_all`: `pilot_more_rows` with every method but QaRL (the SFT stage differs from
 one machine to the next, so every method of a comparison runs in one hold). Eight runs at four a
-GPU: two rounds of about 8-9 minutes after the SFT stage, about 20-22 minutes in all.
+GPU: two rounds of about 8-9 minutes after the SFT stage, about 20-22 minutes in all (measured:
+three of the eight died of GPU memory beside three co-tenants, each GRPO step asking for a
+26.7 GiB buffer, and the hold ended before the second round did).
+`pilot_more_rows_trace`: `pilot_more_rows` with TRACE (bf16, fp4_qat, trace x 2 seeds): the three
+methods that answer the central question, in one round of six runs on one GPU.
+
+Every variant recomputes each block's activations in the backward pass (`model.remat`): a
+training mini-batch of 32 rows x 1073 slots keeps one block's attention scores instead of eight
+(one GRPO step's XLA temporaries on the CPU: 46.0 -> 18.6 GiB), so six to eight runs share a GPU.
 """
 
 import ml_collections
@@ -88,6 +96,10 @@ PILOTS["pilot_more_rows_all"] = {
     **PILOTS["pilot_more_rows"],
     "methods": ("bf16", "fp4_qat", "quads", "trace"),
 }
+PILOTS["pilot_more_rows_trace"] = {
+    **PILOTS["pilot_more_rows"],
+    "methods": ("bf16", "fp4_qat", "trace"),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -114,6 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         checkpoint_every=25,
         mismatch_every=25,
     )
+    c.model.remat = True  # docstring: long rows
     name, seeds = "table1_long", (0, 1, 2)
     methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
     if arg in PILOTS:

@@ -164,6 +164,7 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     assert config.tasks.prompt_width >= prompt_cap
     assert config.tasks.sft_row_length >= prompt_cap + longest
     assert len(table.seeds) == (2 if variant else 3)
+    assert config.model.remat  # long rows: each block recomputed in the backward
     if variant:
         pilot = table1_long.PILOTS[variant]
         assert (config.rl.grpo.learning_rate, config.sft.steps) == (

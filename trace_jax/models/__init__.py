@@ -25,6 +25,7 @@ from trace_jax.models.config import (
     kernel_order,
     resolve_implementation,
     site_implementation,
+    site_records,
 )
 from trace_jax.models.hf_checkpoint import (
     load_hf_checkpoint,
@@ -109,5 +110,6 @@ __all__ = [
     "route",
     "save_hf_checkpoint",
     "site_implementation",
+    "site_records",
     "switch_aux_loss",
 ]

@@ -79,6 +79,15 @@ def identity_site(
     return x
 
 
+def site_records(site: QuantSite) -> dict[str, dict[str, Any]]:
+    """The dicts a stateful site fills during a forward call, by name (`records()`: e.g.
+    `QuantSites`' coverage, statistics and captures, keyed by site key; their values pytrees of
+    arrays); {} for a site without (plain functions). A checkpointed block (`ModelConfig.remat`)
+    hands the entries it writes out of its trace through these."""
+    records = getattr(site, "records", None)
+    return {} if records is None else records()
+
+
 def site_implementation(site: QuantSite) -> Implementation:
     """The kernels a forward call with `site` runs: its `implementation` attribute, XLA for a site
     without one (`identity_site`, plain functions)."""
@@ -205,6 +214,10 @@ class ModelConfig:
         grouped kernel), "pallas" (the Pallas grouped matmul forward, the tiled form's backward)
         or "auto" (`grouped_matmul.resolve`: "pallas" on a GPU or a TPU; elsewhere tiled for many
         rows per expert, ragged_dot for few); the same products up to float32 summation order.
+      remat: recompute each block's activations in the backward pass from the block's input
+        (`nnx.remat` per block) instead of keeping them: a training step's activation memory
+        falls from every block's (attention scores [B, H, T, T] among them) to about one
+        block's, for about one more forward pass of compute. The values are the same.
     """
 
     vocab_size: int
@@ -227,6 +240,7 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     grouped_matmul: str = "ragged_dot"
+    remat: bool = False
 
     def __post_init__(self):
         choices = [g.value for g in GroupedMatmul]
@@ -269,6 +283,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.top_k={self.top_k} must be <= n_experts={self.n_experts}"
             )
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"ModelConfig.remat must be a bool, got {self.remat!r}")
         for field in ("rope_theta", "rms_eps", "init_std"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or not np.isfinite(value) or value <= 0:

@@ -32,7 +32,7 @@ from trace_jax.models.attention import (
     cache_mask,
     causal_mask,
 )
-from trace_jax.models.config import ModelConfig, QuantSite, identity_site
+from trace_jax.models.config import ModelConfig, QuantSite, identity_site, site_records
 from trace_jax.models.moe import MoE, MoEImpl, PackedExperts, Routing, pack_experts
 
 
@@ -83,6 +83,35 @@ class DecoderLayer(nnx.Module):
             )
             x = x + y
         return x, routing, aux_loss, cache
+
+
+def checkpointed_block(
+    block: DecoderLayer,
+    x: jax.Array,
+    expert_choices: jax.Array | None,
+    site: QuantSite,
+    **kw,
+) -> tuple[jax.Array, Routing, jax.Array, None]:
+    """`block(x, ...)` without a cache under `nnx.remat`: the backward recomputes the block from
+    `x` [B, T, D] instead of keeping its activations. A stateful site records what it sees in
+    Python dicts (`site_records`); entries written inside the checkpoint's trace would leak its
+    tracers, so the entries this call writes leave the checkpoint as outputs and are written back
+    outside."""
+    records = site_records(site)
+    before = {name: dict(d) for name, d in records.items()}
+
+    def body(block, x, expert_choices):
+        out = block(x, site=site, expert_choices=expert_choices, cache=None, slots=None, **kw)
+        written = {
+            name: {k: d.pop(k) for k in list(d) if before[name].get(k) is not d[k]}
+            for name, d in records.items()
+        }
+        return out, written
+
+    out, written = nnx.remat(body)(block, x, expert_choices)
+    for name, entries in written.items():
+        records[name].update(entries)
+    return out
 
 
 class Qwen3MoE(nnx.Module):
@@ -149,19 +178,20 @@ class Qwen3MoE(nnx.Module):
         x = self.embed_tokens(tokens)
         routings, aux_losses, new_caches = [], [], []
         for i, block in enumerate(self.layers):
+            kw = dict(layer=i, positions=positions, mask=mask, valid=valid, moe_impl=moe_impl)
+            choices = None if expert_choices is None else expert_choices[i]
             with jax.named_scope(f"layer_{i}"):
-                x, routing, aux_loss, cache = block(
-                    x,
-                    layer=i,
-                    positions=positions,
-                    mask=mask,
-                    valid=valid,
-                    site=site,
-                    expert_choices=None if expert_choices is None else expert_choices[i],
-                    cache=None if caches is None else caches[i],
-                    slots=slots,
-                    moe_impl=moe_impl,
-                )
+                if self.cfg.remat and caches is None:
+                    x, routing, aux_loss, cache = checkpointed_block(block, x, choices, site, **kw)
+                else:
+                    x, routing, aux_loss, cache = block(
+                        x,
+                        site=site,
+                        expert_choices=choices,
+                        cache=None if caches is None else caches[i],
+                        slots=slots,
+                        **kw,
+                    )
             routings.append(routing)
             aux_losses.append(aux_loss)
             new_caches.append(cache)

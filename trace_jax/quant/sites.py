@@ -148,6 +148,15 @@ class QuantSites:
             if missing:
                 raise ValueError(f"guided mode: no rollout guidance for sites {missing}")
 
+    def records(self) -> dict[str, dict]:
+        """What a forward call fills, by site key (`trace_jax.models.site_records`)."""
+        return {
+            "captured": self.captured,
+            "fused": self._fused,
+            "stats": self.stats,
+            "coverage": self.coverage,
+        }
+
     @property
     def implementation(self) -> Implementation:
         """The forward call's kernels (fixed at construction): XLA or PALLAS."""

@@ -77,6 +77,7 @@ SAFE_CHANGES: dict[str, SafeChange] = {
     "rl.mismatch_every": SafeChange(_CADENCE),
     "sft.log_every": SafeChange(_CADENCE),
     "model.grouped_matmul": SafeChange("how the experts' matmul runs: same numbers either way"),
+    "model.remat": SafeChange("whether the backward recomputes activations: same numbers"),
     "mesh.data": SafeChange("the restored state is placed on the new mesh"),
     "mesh.expert": SafeChange("the restored state is placed on the new mesh"),
     "disaggregated.timeout_s": SafeChange("how long a process waits for the other"),
