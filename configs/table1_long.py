@@ -56,7 +56,9 @@ GPU: two rounds of about 8-9 minutes after the SFT stage, about 20-22 minutes in
 three of the eight died of GPU memory beside three co-tenants, each GRPO step asking for a
 26.7 GiB buffer, and the hold ended before the second round did).
 `pilot_more_rows_trace`: `pilot_more_rows` with TRACE (bf16, fp4_qat, trace x 2 seeds): the three
-methods that answer the central question, in one round of six runs on one GPU.
+methods that answer the central question, in one round of six runs on one GPU;
+`pilot_more_rows_trace_1seed` its first seed alone (three runs: a hold with about 17 minutes
+left).
 
 Every variant recomputes each block's activations in the backward pass (`model.remat`): a
 training mini-batch of 32 rows x 1073 slots keeps one block's attention scores instead of eight
@@ -71,7 +73,7 @@ from trace_jax.tables.grid import table_section
 LOOP_SPLITS = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
 MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
 # variant: what it changes in `pilot` (learning rate, SFT steps, GRPO steps, prompts a step,
-# methods, held-out problems per split)
+# methods, held-out problems per split, seeds)
 PILOT = dict(
     learning_rate=3e-5,
     sft_steps=1200,
@@ -79,6 +81,7 @@ PILOT = dict(
     prompts_per_step=8,
     methods=("bf16", "fp4_qat", "quads", "trace"),
     eval_problems=48,
+    seeds=(0, 1),
 )
 PILOTS = {
     "pilot": PILOT,
@@ -100,6 +103,7 @@ PILOTS["pilot_more_rows_trace"] = {
     **PILOTS["pilot_more_rows"],
     "methods": ("bf16", "fp4_qat", "trace"),
 }
+PILOTS["pilot_more_rows_trace_1seed"] = {**PILOTS["pilot_more_rows_trace"], "seeds": (0,)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -131,7 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
     if arg in PILOTS:
         p = PILOTS[arg]
-        name, seeds, methods = f"table1_long_{arg}", (0, 1), p["methods"]
+        name, seeds, methods = f"table1_long_{arg}", p["seeds"], p["methods"]
         c.tasks.update(levels=(2, 3, 4))
         c.sft.update(steps=p["sft_steps"])
         c.eval.update(
