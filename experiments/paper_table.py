@@ -140,7 +140,13 @@ def notes(table: Table, workdir: str, rows: list[dict], adapt: dict | None, from
         f"{e.eval.k} samples at temperature {e.eval.temperature}, {e.eval.problems_per_split} "
         f"problems per split; mean and sample std over seeds {list(table.seeds)}. Splits "
         f"(generated problems, named by task and level): {split_legend(e.eval.splits)}; "
-        f"`average`: mean over {benchmark_splits(e.eval.splits)}.\n\n![curves]({table.name}.png)"
+        f"`average`: mean over {benchmark_splits(e.eval.splits)}"
+        + (
+            f"; `{agg.AVERAGE_BF16}`: the same average with each FP4 run's policy run in bf16"
+            if e.eval.in_bf16_too
+            else ""
+        )
+        + f".\n\n![curves]({table.name}.png)"
     )
     if adapt is not None:
         at, run, ref = adapt["matched_at"], adapt["run"], adapt["reference"]
@@ -178,6 +184,8 @@ def write_table(
     rows = agg.aggregate(table, workdir, partial=partial)
     splits = table.experiment.eval.splits
     cols = ["run", "average", "average_std", *[c for s in splits for c in (s, f"{s}_std")]]
+    if any(agg.AVERAGE_BF16 in r for r in rows):  # FP4 policies scored in bf16 as well
+        cols[3:3] = [agg.AVERAGE_BF16, f"{agg.AVERAGE_BF16}_std"]
     md = harness.markdown_table(rows + agg.sft_rows(table, workdir), [*cols, "seeds"], fmt=".3f")
     md += (
         "\n\nTraining-log statistics (means over steps, then seeds; `code_mismatch` and "

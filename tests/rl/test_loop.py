@@ -22,6 +22,8 @@ from trace_jax.guidance import (
     GuidanceStoreConfig,
     GuidanceVersionError,
 )
+from trace_jax.quant import SiteMode
+from trace_jax.rl import loop as loop_module
 from trace_jax.rl import workers
 from trace_jax.rl.checkpoint import checkpoint_manager
 from trace_jax.rl.experiment import ExperimentConfig, MeshConfig
@@ -258,3 +260,34 @@ def test_read_guidance_waits_for_the_pending_write_and_raises_its_failure():
             read_guidance(store, "r", 4, 0, **kw)
         with pytest.raises(GuidanceVersionError):  # version 6 is 4 behind trainer version 10
             read_guidance(store, "r", 3, 1, mini_batches=3, max_staleness=1)
+
+
+@pytest.mark.parametrize(
+    "method, in_bf16_too, modes",
+    [
+        ("fp4_qat", True, [SiteMode.RTN, SiteMode.OFF]),
+        ("fp4_qat", False, [SiteMode.RTN]),
+        ("bf16", True, [SiteMode.OFF]),  # its own execution is bf16 already
+    ],
+)
+def test_evaluation_scores_fp4_policies_in_bf16_too(
+    tmp_path, monkeypatch, method, in_bf16_too, modes
+):
+    """`eval.in_bf16_too`: an FP4 method's evaluation also scores its policy run in bf16, on the
+    same keys, logged as `<split>@bf16` beside its FP4 score."""
+    calls = []
+
+    def scores(model, suite, keys, *, qcfg=None, mode=SiteMode.OFF, **kwargs):
+        calls.append((mode, [jax.random.key_data(k).tolist() for k in keys]))
+        return {s: 0.25 if mode is SiteMode.OFF else 0.5 for s in suite.splits}
+
+    monkeypatch.setattr(loop_module, "pass_at_1_by_split", scores)
+    cd = loop_config_dict(method=method)
+    cd.eval.update(splits=("level1",), problems_per_split=2, in_bf16_too=in_bf16_too)
+    with RLLoop(ExperimentConfig.from_config_dict(cd), str(tmp_path)) as loop:
+        row = loop.evaluate(4)
+    assert [m for m, _ in calls] == modes
+    assert all(k == calls[0][1] for _, k in calls)
+    own = 0.25 if method == "bf16" else 0.5
+    want = {"step": 4, "level1": own, **({"level1@bf16": 0.25} if len(modes) == 2 else {})}
+    assert row == want and _rows(tmp_path / "rl_eval.jsonl") == [want]

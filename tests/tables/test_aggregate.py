@@ -7,7 +7,7 @@ import pytest
 
 from tests.tables import support
 from trace_jax.tables import aggregate as agg
-from trace_jax.tables.grid import Table
+from trace_jax.tables.grid import Table, benchmark_average
 
 
 def _table(**rl):
@@ -117,3 +117,30 @@ def test_each_run_starts_from_the_sft_score_under_its_own_execution(tmp_path):
     mx = _table(format="mxfp4_w4a4")
     assert agg.run_execution(mx, "trace") == "mxfp4_w4a4"
     assert agg.start_row(mx, str(tmp_path), "trace") is None
+
+
+def test_fp4_policies_scored_in_bf16_average_like_their_own_scores(tmp_path):
+    """`average@bf16`: the benchmark average of a run's `<split>@bf16` final scores, mean and
+    std over seeds; absent for a run whose evaluations did not score it in bf16."""
+    table = _table()  # splits level1, arith_countdown_l2; 3 steps, seeds 0 and 1
+    splits = table.experiment.eval.splits
+    for seed in table.seeds:
+        support.write_run_logs(
+            tmp_path, "bf16", seed, [{"step": 2, "level1": 0.5, "arith_countdown_l2": 0.3}]
+        )
+        own = {"level1": 0.1, "arith_countdown_l2": 0.2 + 0.1 * seed}
+        in_bf16 = {"level1@bf16": 0.9, "arith_countdown_l2@bf16": 0.4 + 0.2 * seed}
+        support.write_run_logs(tmp_path, "trace", seed, [{"step": 2, **own, **in_bf16}])
+    bf16, trace = agg.aggregate(table, str(tmp_path))
+    want = [
+        benchmark_average({s: 0.9 if s == "level1" else 0.4 + 0.2 * k for s in splits}, splits)
+        for k in (0, 1)
+    ]
+    assert trace[agg.AVERAGE_BF16] == pytest.approx(np.mean(want))
+    assert trace[f"{agg.AVERAGE_BF16}_std"] == pytest.approx(np.std(want, ddof=1))
+    assert trace["average"] != trace[agg.AVERAGE_BF16]
+    assert agg.AVERAGE_BF16 not in bf16
+    support.write_run_logs(
+        tmp_path, "trace", 1, [{"step": 2, "level1": 0.1, "arith_countdown_l2": 0.2}]
+    )
+    assert agg.AVERAGE_BF16 not in agg.aggregate(table, str(tmp_path))[1]  # one seed without

@@ -25,6 +25,9 @@ from trace_jax.rl.sharding import batch_spec, mesh_context
 from trace_jax.rl.workers import batch_sharding
 from trace_jax.rollout import SamplingConfig, generate
 
+# `<set><BF16_SUFFIX>`: an FP4 method's policy scored in bf16 (`EvalConfig.in_bf16_too`).
+BF16_SUFFIX = "@bf16"
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalSuite:

@@ -160,7 +160,11 @@ class EvalConfig:
     """Held-out evaluation: pass@1 over `k` samples of the first `problems_per_split` problems of
     each set, the generated splits `splits` (`tasks.SPLIT_NAMES`) and the example files `files`
     (JSONL / Parquet in the `tasks` section's layout, each named by its file name without the
-    suffix); temperature 0 is greedy decoding."""
+    suffix); temperature 0 is greedy decoding.
+
+    `in_bf16_too`: the RL loop's evaluations of an FP4 method score its policy run in bf16 as
+    well, beside its own FP4 execution (`<set>@bf16` in `rl_eval.jsonl`): what training did to
+    the policy, apart from what FP4 execution costs it."""
 
     splits: tuple[str, ...] = (
         "level1",
@@ -174,6 +178,7 @@ class EvalConfig:
     k: int = 1
     temperature: float = 0.0
     max_new_tokens: int = 64
+    in_bf16_too: bool = False
 
     def __post_init__(self):
         _tuple(self, "splits")
@@ -197,6 +202,11 @@ class EvalConfig:
         )
         c.ints(self, ("problems_per_split", "k", "max_new_tokens"), 1)
         c.number(self, "temperature", ">= 0", lambda x: x >= 0)
+        c.need(
+            isinstance(self.in_bf16_too, bool),
+            "in_bf16_too",
+            f"must be a bool, got {self.in_bf16_too!r}",
+        )
         c.raise_any()
 
     @property

@@ -41,8 +41,9 @@ from tqdm import tqdm
 from trace_jax.distributed import check_mesh_spans_processes, is_primary, on_primary
 from trace_jax.faults import maybe_die
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
+from trace_jax.quant import SiteMode
 from trace_jax.rl.checkpoint import checkpoint_manager, restore_train_state, save_train_state
-from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
+from trace_jax.rl.evaluate import BF16_SUFFIX, EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog, drop_rows_from
 from trace_jax.rl.sharding import experiment_mesh
@@ -138,17 +139,18 @@ class RLLoop:
 
     def evaluate(self, step: int) -> dict:
         """pass@1 per held-out split of the policy in its rollout execution (the method's FP4
-        recipe); appends the row (`step` and split -> pass@1) to `rl_eval.jsonl`."""
+        recipe), and in bf16 as `<split>@bf16` when `eval.in_bf16_too` (FP4 methods; the same
+        keys); appends the row (`step` and split -> pass@1) to `rl_eval.jsonl`."""
         suite = EvalSuite.from_config(self.config)
+        keys = [jax.random.key(step)] * len(suite.splits)
+        run = dict(implementation=self.config.rl.rollout_implementation, mesh=self.mesh)
+        mode = self.setup.rollout_mode
         scores = pass_at_1_by_split(
-            self.model,
-            suite,
-            [jax.random.key(step)] * len(suite.splits),
-            qcfg=self.setup.rollout_qcfg,
-            mode=self.setup.rollout_mode,
-            implementation=self.config.rl.rollout_implementation,
-            mesh=self.mesh,
+            self.model, suite, keys, qcfg=self.setup.rollout_qcfg, mode=mode, **run
         )
+        if self.config.eval.in_bf16_too and mode is not SiteMode.OFF:
+            bf16 = pass_at_1_by_split(self.model, suite, keys, mode=SiteMode.OFF, **run)
+            scores.update({f"{name}{BF16_SUFFIX}": v for name, v in bf16.items()})
         if is_primary():
             with MetricsLog(self.workdir, "rl_eval", append=True) as eval_log:
                 eval_log.write(step, scores)

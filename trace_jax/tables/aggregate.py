@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from trace_jax.quant import SiteMode
+from trace_jax.rl.evaluate import BF16_SUFFIX
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.metrics_log import read_rows
 from trace_jax.tables.grid import Table, benchmark_average, benchmark_splits, run_dir, sft_dir
@@ -24,6 +25,8 @@ from trace_jax.tasks.splits import with_current_split_names
 
 # Training-log statistics of a table's runs (`run_statistics`).
 STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
+# The benchmark average of a run's policies run in bf16 (FP4 runs with `eval.in_bf16_too`).
+AVERAGE_BF16 = "average" + BF16_SUFFIX
 
 
 def _log(directory: str, name: str) -> list[dict]:
@@ -51,8 +54,9 @@ def run_statistics(metrics: Sequence[Sequence[dict]]) -> dict[str, float]:
 
 def aggregate(table: Table, workdir: str, partial: bool = False) -> list[dict]:
     """One row per run: `run`, its overrides (as strings), pass@1 mean and `<split>_std` over
-    seeds per split, the benchmark `average` (+ `average_std`), `seeds` (how many), and the
-    `run_statistics` of its logs.
+    seeds per split, the benchmark `average` (+ `average_std`), `seeds` (how many), the
+    `run_statistics` of its logs, and `AVERAGE_BF16` (+ `_std`) where every final evaluation
+    also scored the policy in bf16.
 
     An unfinished seed is a RuntimeError; with `partial`, the row is over the finished seeds and
     runs without any are left out."""
@@ -77,6 +81,11 @@ def aggregate(table: Table, workdir: str, partial: bool = False) -> list[dict]:
             [benchmark_average(f, splits) for f in finals]
         )
         row["seeds"] = len(finals)
+        if all(s + BF16_SUFFIX in f for f in finals for s in splits):
+            # FP4 runs evaluated in bf16 as well (`EvalConfig.in_bf16_too`)
+            row[AVERAGE_BF16], row[f"{AVERAGE_BF16}_std"] = _mean_std(
+                [benchmark_average({s: f[s + BF16_SUFFIX] for s in splits}, splits) for f in finals]
+            )
         row.update(run_statistics([_log(d, "rl_metrics") for d in dirs]))
         rows.append(row)
     return rows
