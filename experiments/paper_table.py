@@ -143,7 +143,7 @@ def notes(table: Table, workdir: str, rows: list[dict], adapt: dict | None, from
         f"`average`: mean over {benchmark_splits(e.eval.splits)}"
         + (
             f"; `{agg.AVERAGE_BF16}`: the same average with each FP4 run's policy run in bf16"
-            if e.eval.in_bf16_too
+            if any(agg.AVERAGE_BF16 in r for r in rows)
             else ""
         )
         + f".\n\n![curves]({table.name}.png)"

@@ -20,8 +20,9 @@ from trace_jax.tasks import SPLIT_NAMES
 ROOT = pathlib.Path(__file__).parents[2]
 
 
-def _logs(workdir, seeds_done=((0, 1), (0, 1))):
-    """Run logs of the support table: final pass@1 differing by run and seed."""
+def _logs(workdir, seeds_done=((0, 1), (0, 1)), in_bf16=False):
+    """Run logs of the support table: final pass@1 differing by run and seed; `in_bf16`: the
+    FP4 run (trace) scored in bf16 as well, 0.2 above its own score."""
     table = Table.from_config_dict(support.table_config())
     for label, seeds in zip(table.labels, seeds_done, strict=True):
         for seed in seeds:
@@ -30,6 +31,14 @@ def _logs(workdir, seeds_done=((0, 1), (0, 1))):
                 {"step": s, "level1": 0.9, "arith_countdown_l2": v - 0.01 * (2 - s)}
                 for s in range(3)
             ]
+            if in_bf16 and label == "trace":
+                for e in evals:
+                    e.update(
+                        {
+                            "level1@bf16": 0.9,
+                            "arith_countdown_l2@bf16": e["arith_countdown_l2"] + 0.2,
+                        }
+                    )
             metrics = [{"step": s, "reward": v, "train_rollout_gap_mean": 0.01} for s in range(3)]
             support.write_run_logs(workdir, label, seed, evals, metrics)
     sft_scores = {
@@ -55,6 +64,26 @@ def test_the_table_from_run_logs(tmp_path):
         and "first matches `bf16` at step 0" in md
     )
     assert (out / "t.png").stat().st_size > 0
+
+
+def test_fp4_runs_scored_in_bf16_get_their_column(tmp_path):
+    """Logs with `<split>@bf16` give the table an `average@bf16` column (n/a for the bf16 run)
+    and a note saying what it is; logs without give neither."""
+    for in_bf16 in (True, False):
+        table = _logs(tmp_path / f"w{in_bf16}", in_bf16=in_bf16)
+        out = tmp_path / f"out{in_bf16}"
+        paper_table.run(table, str(tmp_path / f"w{in_bf16}"), outdir=str(out), aggregate_only=True)
+        md = (out / "t.md").read_text()
+        header = next(line for line in md.splitlines() if line.startswith("| run | average |"))
+        assert ("| average@bf16 | average@bf16_std |" in header) == in_bf16
+        assert ("the same average with each FP4 run's policy run in bf16" in md) == in_bf16
+        if in_bf16:
+            trace = next(line for line in md.splitlines() if line.startswith("| trace |"))
+            cells = [c.strip() for c in trace.split("|")[1:-1]]
+            columns = [c.strip() for c in header.split("|")[1:-1]]
+            assert float(cells[columns.index("average@bf16")]) == pytest.approx(
+                float(cells[columns.index("average")]) + 0.2, abs=1e-3
+            )
 
 
 def test_a_partial_table_says_what_is_missing(tmp_path):

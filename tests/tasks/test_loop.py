@@ -165,6 +165,7 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     assert config.tasks.sft_row_length >= prompt_cap + longest
     assert tuple(table.seeds) == (table1_long.PILOTS[variant]["seeds"] if variant else (0, 1, 2))
     assert config.model.remat  # long rows: each block recomputed in the backward
+    assert config.eval.in_bf16_too  # FP4 policies scored in bf16 as well
     if variant:
         pilot = table1_long.PILOTS[variant]
         assert (config.rl.grpo.learning_rate, config.sft.steps) == (
