@@ -56,7 +56,8 @@ GPU: two rounds of about 8-9 minutes after the SFT stage, about 20-22 minutes in
 three of the eight died of GPU memory beside three co-tenants, each GRPO step asking for a
 26.7 GiB buffer, and the hold ended before the second round did).
 `pilot_more_rows_trace`: `pilot_more_rows` with TRACE (bf16, fp4_qat, trace x 2 seeds): the three
-methods that answer the central question, in one round of six runs on one GPU;
+methods that answer the central question, in one round of six runs on one GPU (start them with
+`PER_GPU=6 MEM_FRACTION=0.15`: uncapped, six ran the GPU out of memory);
 `pilot_more_rows_trace_1seed` its first seed alone (three runs: a hold with about 17 minutes
 left).
 
