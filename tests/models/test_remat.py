@@ -5,6 +5,7 @@ the checkpoints intact."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -15,10 +16,10 @@ import pytest
 from flax import nnx
 
 from tests import tiny
-from tests.rl.rollouts import task_rollout
 from trace_jax import tasks
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, init_model
+from trace_jax.quant import QuantSites, SiteMode
 from trace_jax.rl.config import GRPOConfig
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.step import trainer_logprobs
@@ -74,20 +75,21 @@ def test_remat_is_a_bool():
 
 
 def test_every_block_is_checkpointed_with_the_same_gradients():
-    """FP4 QAT's fake-quantized forward: one checkpoint per block with remat and none without;
-    the loss and every gradient agree (float32 compute: the same operations, recomputed)."""
-    setup = get_method("fp4_qat").setup("nvfp4", CFG.n_layers)
-    plain, checkpointed = _models()
-    roll = task_rollout(plain, setup, n_problems=2, group_size=2)
+    """An NVFP4 fake-quantized forward (FP4 QAT's trainer) on random tokens: one checkpoint per
+    block with remat and none without; the loss and every gradient agree (float32 compute: the
+    same operations, recomputed)."""
+    qcfg = get_method("fp4_qat").setup("nvfp4", CFG.n_layers).trainer_qcfg
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, CFG.vocab_size)
 
-    def loss(model):
-        out = trainer_logprobs(model, roll, setup=setup, grpo=GRPO, temperature=1.0)
-        return jnp.sum(out.logprobs * roll.response_mask)
+    def loss(params, graphdef):
+        site = QuantSites(qcfg, CFG.n_layers, SiteMode.RTN)
+        logits, _ = nnx.merge(graphdef, params)(tokens, site=site)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0])
 
     results = []
-    for model in (plain, checkpointed):
+    for model in _models():
         graphdef, params = nnx.split(model)
-        fn = lambda p, g=graphdef: loss(nnx.merge(g, p))
+        fn = functools.partial(loss, graphdef=graphdef)
         results.append(
             (_checkpoints(jax.make_jaxpr(fn)(params).jaxpr), jax.value_and_grad(fn)(params))
         )
