@@ -57,7 +57,9 @@ three of the eight died of GPU memory beside three co-tenants, each GRPO step as
 26.7 GiB buffer, and the hold ended before the second round did).
 `pilot_more_rows_trace`: `pilot_more_rows` with TRACE (bf16, fp4_qat, trace x 2 seeds): the three
 methods that answer the central question, in one round of six runs on one GPU (start them with
-`PER_GPU=6 MEM_FRACTION=0.15`: uncapped, six ran the GPU out of memory);
+`PER_GPU=6 MEM_FRACTION=0.15`: uncapped, six ran the GPU out of memory; capped, none did, 133 GB
+in use, bf16 done in 760 s and the FP4 runs at about 12-15 s a step, about 25 minutes with the
+SFT stage);
 `pilot_more_rows_trace_1seed` its first seed alone (three runs: a hold with about 17 minutes
 left).
 
