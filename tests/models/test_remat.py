@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.extend
@@ -16,14 +15,13 @@ import pytest
 from flax import nnx
 
 from tests import tiny
-from trace_jax import tasks
+from tests.rl.rollouts import task_rollout
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, init_model
 from trace_jax.quant import QuantSites, SiteMode
 from trace_jax.rl.config import GRPOConfig
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.step import trainer_logprobs
-from trace_jax.rollout import SamplingConfig, generate
 
 CFG = tiny.model_config(dtype=jnp.float32)
 GRPO = GRPOConfig(group_size=2)
@@ -47,23 +45,14 @@ def _checkpoints(jaxpr) -> int:
 def _reference_rollout(model, setup):
     """A 2 x 2-sample rollout recording full codes at every quantized site (the trainer's
     mismatch reference), with the method's own guidance derived from them."""
-    problems = list(itertools.islice(tasks.train_stream(1, levels=(1,)), 2))
-    prompts, lengths = tasks.encode_prompts([p for p in problems for _ in range(2)])
-    graphdef, params = nnx.split(model)
-    sampling = SamplingConfig(
-        max_new_tokens=6, temperature=1.0, stop_tokens=(tasks.EOS_ID,), pad_id=tasks.PAD_ID
-    )
-    roll = generate(
-        graphdef,
-        params,
-        jnp.asarray(prompts),
-        jnp.asarray(lengths),
-        jax.random.key(5),
-        sampling=sampling,
-        qcfg=setup.rollout_qcfg,
-        mode=setup.rollout_mode,
+    roll = task_rollout(
+        model,
+        setup,
+        n_problems=2,
+        group_size=2,
         capture=setup.rollout_qcfg.all_keys(CFG.n_layers),
         capture_mode=GuidanceMode.FULL,
+        seed=5,
     )
     own = {k: roll.guidance[k].as_compact() for k in setup.capture}
     return dataclasses.replace(roll, guidance=own), roll.guidance

@@ -33,8 +33,18 @@ def loop_config_dict(**rl) -> ml_collections.ConfigDict:
     return cd
 
 
-def task_rollout(model, setup: MethodSetup, *, n_problems: int, group_size: int) -> Rollout:
-    """Rolls out `n_problems` level-1 training problems `group_size` times with `setup`."""
+def task_rollout(
+    model,
+    setup: MethodSetup,
+    *,
+    n_problems: int,
+    group_size: int,
+    capture=None,
+    capture_mode=None,
+    seed: int = 2,
+) -> Rollout:
+    """Rolls out `n_problems` level-1 training problems `group_size` times with `setup`;
+    `capture` / `capture_mode` replace the method's (None: its own), `seed` the sampling key's."""
     problems = list(itertools.islice(tasks.train_stream(1, levels=(1,)), n_problems))
     prompts, lengths = tasks.encode_prompts([p for p in problems for _ in range(group_size)])
     graphdef, params = nnx.split(model)
@@ -46,11 +56,11 @@ def task_rollout(model, setup: MethodSetup, *, n_problems: int, group_size: int)
         params,
         jnp.asarray(prompts),
         jnp.asarray(lengths),
-        jax.random.key(2),
+        jax.random.key(seed),
         sampling=sampling,
         qcfg=setup.rollout_qcfg,
         mode=setup.rollout_mode,
-        capture=setup.capture,
-        capture_mode=setup.capture_mode,
+        capture=setup.capture if capture is None else capture,
+        capture_mode=setup.capture_mode if capture_mode is None else capture_mode,
         residual_fraction=setup.rollout_residual_channels,
     )
