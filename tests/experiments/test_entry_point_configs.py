@@ -29,6 +29,7 @@ ENTRY_POINTS = [
     "rollout_throughput",
     "moe_matmul_ablation",
     "hf_load_memory",
+    "bandwidth_ceilings",
 ]
 WITHOUT_SMOKE_VARIANT = {"mismatch_analysis", "bench_guidance_store"}
 # Every module of experiments/ but the shared harness.
