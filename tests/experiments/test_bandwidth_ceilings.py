@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from configs import bandwidth_ceilings as config_module
@@ -50,3 +51,22 @@ def test_smoke_run_writes_its_table(tmp_path):
     payload = json.loads((tmp_path / "bw.json").read_text())
     assert payload["rows"] == rows
     assert "read_vs_largest" in (tmp_path / "bw.md").read_text()
+
+
+@pytest.mark.parametrize("smoke", [True, False])
+def test_the_device_loop_reads_fresh_bytes_every_pass(monkeypatch, smoke):
+    calls = []
+
+    def fake_time_fn(fn, *args, **kwargs):
+        calls.append((fn, args))
+        return 0.5
+
+    monkeypatch.setattr(harness, "time_fn", fake_time_fn)
+    n = 4096
+    reps = 2 if smoke else bw.LOOP_BYTES // n
+    assert bw.loop_read_seconds(n, smoke=smoke) == 0.5 / reps
+    if smoke:  # the loop's result: every pass sums the bytes XORed with its index
+        ((fn, (a,)),) = calls
+        b = np.asarray(a).astype(np.int64)
+        want = sum(int(np.sum(b ^ i)) for i in range(reps))
+        assert int(fn(a)) == want and want != reps * int(np.sum(b))
