@@ -116,6 +116,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.phases = (("decode", 512), ("prefill_small", 8192), ("prefill", 65536))
     c.ceiling_bytes = 1 << 30  # data read by the bandwidth ceilings
     c.rounds = 3  # side-by-side rounds of the best configs (medians reported)
+    # Then each inside one device loop of about this many seconds of calls (0: not timed so),
+    # loop_unroll calls an iteration: decode-size calls below the host's dispatch floor.
+    c.loop_seconds = 0.05
+    c.loop_unroll = 8
     c.block_configs = {
         phase: {
             "pallas_bf16": ({}, *(_bf16(*t) for t in BF16_SWEEP[phase])),
@@ -132,6 +136,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.phases = (("decode", 24), ("prefill", 96))
         c.ceiling_bytes = 1 << 16
         c.rounds = 1
+        c.loop_seconds, c.loop_unroll = 1e-9, 2  # one loop iteration of two calls each
         # Every path: default tiles, both FP4 grids, a config that fails (block_n 48 is no power
         # of two: recorded, skipped) and a kernel whose every config fails (its row says so).
         bf16, failing = {}, {"block_n": 48}

@@ -32,6 +32,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # config and the prefill tiles (every variant runs every one).
     c.block_configs = ((64, 256, 4, 3), (128, 256, 8, 3), (128, 128, 4, 3))
     c.rounds = 5  # alternating timing rounds (`harness.time_interleaved`)
+    # Then each inside one device loop of about this many seconds of launches (0: not timed so),
+    # loop_unroll launches an iteration: below the host's per-call dispatch floor.
+    c.loop_seconds = 0.05
+    c.loop_unroll = 8
     if arg == "smoke":
         c.smoke = True
         c.ceiling_bytes = 1 << 20
@@ -40,6 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.experts_per_program = (2,)
         c.block_configs = ((64, 128, 4, 3),)
         c.rounds = 1
+        c.loop_seconds, c.loop_unroll = 1e-9, 2  # one loop iteration of two launches
     elif arg:
         raise ValueError(f"unknown config variant {arg!r}; the only one is 'smoke'")
     return c

@@ -11,7 +11,10 @@ Per phase (M rows routed at random to G experts, `[M, K] x [G, N, K]`), side by 
 Each Pallas kernel runs every block config of `config.block_configs.<phase>.<kernel>` (timed with
 `harness.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
 recorded with its error and skipped); the best config per kernel and the baselines are then timed
-in alternating rounds (`harness.time_interleaved`, medians over rounds). Every output is checked
+in alternating rounds (`harness.time_interleaved`, medians over rounds), and then each inside one
+device loop of calls chained one after another (`harness.time_in_device_loop`: `loop_ms`, without
+the host's per-call dispatch, which floors the per-call times of decode-size calls; `loop_floor_ms`
+is the loop's own cost per call). Every output is checked
 against the float32 product of the same operands (the tiled form at HIGHEST precision on
 dequantized values). Byte limit: the bytes a kernel must move (weights of the experts with rows +
 activations + the bf16 output) over the read bandwidth measured in the run (`harness.ceilings`).
@@ -22,6 +25,7 @@ entry. Launch commands: configs/bench_moe_matmul.py.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 
 import jax
@@ -43,8 +47,10 @@ from trace_jax.models.grouped_matmul import tiled_ragged_dot
 SWEPT = ("pallas_bf16", "fp4_bf16_act", "fp4_nvfp4_act")
 KERNELS = ("ragged_dot", "tiled", *SWEPT)
 DENSE = "dense_bf16"
+LOOP_FLOOR = "loop_floor"
 COLUMNS = ["phase", "M", "kernel", "ms", "tflops", "frac_of_dense", "byte_limit_ms"]
-COLUMNS += ["byte_limit_ratio", "vs_ragged_dot", "rel_err", "block_config"]
+COLUMNS += ["byte_limit_ratio", "loop_ms", "loop_byte_limit_ratio", "vs_ragged_dot", "rel_err"]
+COLUMNS += ["block_config"]
 
 
 def operands(config: ConfigDict, m: int) -> dict:
@@ -142,6 +148,24 @@ def sweep(name: str, ops: dict, ref: jax.Array, configs, *, smoke: bool):
     return entries, calls
 
 
+def loop_times(config: ConfigDict, calls: dict, ms: dict, x: jax.Array) -> dict[str, float]:
+    """name -> ms per call of each of `calls` run back to back inside one device loop
+    (`harness.time_in_device_loop`: no host dispatch per call), about `config.loop_seconds` of
+    calls a loop (from the per-call `ms`), `config.loop_unroll` calls an iteration; and
+    `LOOP_FLOOR` -> the loop's own cost per call (the dependency update on `x`, the bf16
+    activations [M, K]). Empty when `config.loop_seconds` is 0."""
+    if not config.loop_seconds:
+        return {}
+    unroll, smoke = config.loop_unroll, config.smoke
+    out = {}
+    for name, (fn, args) in [*calls.items(), (LOOP_FLOOR, (harness.loop_floor_fn, (x,)))]:
+        per_call_s = 1e-3 * ms.get(name, min(ms.values()))
+        reps = unroll * max(1, math.ceil(config.loop_seconds / per_call_s / unroll))
+        out[name] = 1e3 * harness.time_in_device_loop(fn, args, reps, unroll=unroll, smoke=smoke)
+        logging.info("%s in a device loop of %d: %.4f ms a call", name, reps, out[name])
+    return out
+
+
 def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
     """(rows, sweeps) of one phase: a row per kernel and the dense matmul; the sweep entries."""
     ops = operands(config, m)
@@ -160,6 +184,7 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
     timing = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
     by_round = harness.time_interleaved(calls, rounds=config.rounds, **timing)
     ms = {name: 1e3 * statistics.median(t) for name, t in by_round.items()}
+    loop_ms = loop_times(config, calls, ms, ops["x"])
     flops = 2 * m * config.d_model * config.d_ff
     dense_tflops = flops / ms[DENSE] / 1e9
     rows = []
@@ -181,6 +206,10 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
         row["byte_limit_ms"] = 1e3 * row["bytes_GB"] * 1e9 / read_bw
         row["byte_limit_ratio"] = ms[name] / row["byte_limit_ms"]
         row["vs_ragged_dot"] = ms["ragged_dot"] / ms[name]
+        if loop_ms:
+            row["loop_ms"] = loop_ms[name]
+            row["loop_byte_limit_ratio"] = loop_ms[name] / row["byte_limit_ms"]
+            row["loop_floor_ms"] = loop_ms[LOOP_FLOOR]
         if name in SWEPT:
             row["rel_err"] = best[name]["rel_err"]
         elif name != DENSE:
@@ -214,7 +243,9 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         "the experts with rows + activations + bf16 output, over the measured read bandwidth "
         f"({extra['ceilings']['read_bw'] / 1e12:.2f} TB/s); `vs_ragged_dot`: ragged_dot's time "
         "over this one; `rel_err`: Frobenius norm against the float32 product of the same "
-        "operands; `block_config`: the best of the Pallas kernel's sweep (every entry in the "
+        "operands; `loop_ms`: per call inside one device loop of calls chained back to back (no "
+        "host dispatch per call; includes the loop's own cost per call, `loop_floor_ms` in the "
+        "JSON rows); `block_config`: the best of the Pallas kernel's sweep (every entry in the "
         "JSON's `sweep`, `{}` = the kernel's default_block_config)."
         + (harness.SMOKE_NOTE if config.smoke else "")
     )

@@ -33,7 +33,9 @@ over `config.split_k` programs (partial products summed by XLA after the kernel,
 call), and the `config.experts_per_program_variants` with each program walking
 `config.experts_per_program` experts in turn (grid (G / E, N / block_n, split_k): fewer, longer
 programs over the same bytes). Each kernel is compiled and run once, then all are timed in
-alternating rounds (`harness.time_interleaved`). Per row: microseconds, the weight bytes the body
+alternating rounds (`harness.time_interleaved`), then each inside one device loop of launches
+chained through the activations (`harness.time_in_device_loop`: `loop_us`, below the host's
+per-call dispatch floor). Per row: microseconds, the weight bytes the body
 reads (codes, plus block scales where it reads them, or bf16 weights; the activation tile and the
 output are left out: the question is what the weight path costs) and GB/s, the byte limit (those
 bytes at the read bandwidth measured in the same run, `harness.ceilings`) and the ratio to it, and
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 from collections.abc import Callable
 
@@ -86,8 +89,10 @@ WEIGHT_LAYOUTS = {"u8": 2, "u32": 8, "bf16": 1}
 # accumulate in float32 (summation order only); any decode error is of order 1.
 REL_TOL = 1e-4
 BF16_TWIN = "bf16w"
+LOOP_FLOOR = "loop_floor"
+LOOP_CALL_S = 50e-6  # a decode-size launch, to size the device loops (`loop_times`)
 COLUMNS = ["variant", "hints", "split_k", "block", "us", "GBps", "bytes", "limit_us", "x_limit"]
-COLUMNS += ["vs_bf16w", "rel_err"]
+COLUMNS += ["vs_bf16w", "loop_us", "loop_x_limit", "rel_err"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,6 +455,7 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
     if ready:
         timed = harness.time_interleaved({c.label: f for c, f in ready.items()}, **timing)
         by_round = {c: timed[c.label] for c in ready}
+    loop_us = loop_times(config, ready, interpret)
     rows = []
     for case in todo:
         row = {**dataclasses.asdict(case), "block": case.block}
@@ -468,11 +474,37 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
         if case.variant != BF16_TWIN and case.twin() in by_round:
             pairs = zip(by_round[case], by_round[case.twin()], strict=True)
             row["vs_bf16w"] = statistics.median(a / b for a, b in pairs)
+        if case in loop_us:
+            row["loop_us"] = loop_us[case]
+            row["loop_x_limit"] = loop_us[case] / row["limit_us"]
         if case in rel_errs:
             row["rel_err"] = rel_errs[case]
         rows.append(row)
         logging.info("%s", row)
+    if loop_us:
+        ceil = {**ceil, "loop_floor_us": loop_us[LOOP_FLOOR]}
     return rows, ceil
+
+
+def loop_times(config: ConfigDict, ready: dict, interpret: bool) -> dict:
+    """case -> us per launch inside one device loop of launches chained through the activations
+    (`harness.time_in_device_loop`, about `config.loop_seconds` a loop, `config.loop_unroll`
+    launches an iteration; no host dispatch per launch), and `LOOP_FLOOR` -> the loop's own cost
+    per launch. Empty when `config.loop_seconds` is 0."""
+    if not config.loop_seconds or not ready:
+        return {}
+    unroll, smoke = config.loop_unroll, config.smoke
+    reps = unroll * max(1, math.ceil(config.loop_seconds / LOOP_CALL_S / unroll))
+    out = {}
+    for case, (_, args) in ready.items():
+        fn = functools.partial(run_case, case=case, interpret=interpret)
+        t = harness.time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=2, smoke=smoke)
+        out[case] = 1e6 * t
+        logging.info("%s in a device loop of %d: %.1f us a launch", case.label, reps, out[case])
+    x_planes = next(iter(ready.values()))[1][2]
+    floor = harness.time_in_device_loop(harness.loop_floor_fn, (x_planes,), reps, unroll=unroll)
+    out[LOOP_FLOOR] = 1e6 * floor
+    return out
 
 
 def best_by_variant(rows: list[dict]) -> list[dict]:
@@ -511,7 +543,10 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
             "bytes it reads; `limit_us`: those bytes at the read ceiling, "
             f"{ceil['read_bw'] / 1e9:.0f} GB/s measured in this run; `x_limit`: us / limit_us; "
             "`vs_bf16w`: time over the bf16-weights twin's (same block and split, median of "
-            "per-round ratios); `rel_err`: the product against the XLA reference."
+            "per-round ratios); `loop_us`: one launch inside a device loop of launches "
+            "chained through the activations (no host dispatch per launch; includes the loop's "
+            "own cost, `loop_floor_us` in the JSON's ceilings), `loop_x_limit`: loop_us / "
+            "limit_us; `rel_err`: the product against the XLA reference."
             + (harness.SMOKE_NOTE if config.smoke else "")
             + "\n\nEach variant's fastest row:\n\n"
             + harness.markdown_table(best, best_cols)

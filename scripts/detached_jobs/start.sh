@@ -11,7 +11,7 @@ cd "$JOBS/repo" || exit 1
 nvidia-smi -L 2>/dev/null; date -u
 setsid bash -c "echo \$\$ > $JOBS/queue.pid; exec $PY -m experiments.run_tables \
   --tables=$TABLES --root=$JOBS/tables --per_gpu=${PER_GPU:-5} --deadline_s=${DEADLINE:-1250} \
-  --mem_fraction=${MEM_FRACTION:-0} --bundle=$JOBS/out/runs.tgz --extra=\"$EXTRA\"" > "$JOBS/out/queue.log" 2>&1 < /dev/null &
+  --mem_fraction=${MEM_FRACTION:-0} --bundle=$JOBS/out/runs.tgz --done_from=\"$DONE_FROM\" --extra=\"$EXTRA\"" > "$JOBS/out/queue.log" 2>&1 < /dev/null &
 sleep 2
 if [[ $TABLES == *table7_ptq* ]]; then
   setsid bash scripts/detached_jobs/ptq_when_ready.sh > "$JOBS/out/ptq_watcher.log" 2>&1 < /dev/null &

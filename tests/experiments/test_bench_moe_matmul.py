@@ -35,6 +35,9 @@ def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
         assert r["frac_of_dense"] == pytest.approx(r["tflops"] / dense["tflops"])
         assert r["byte_limit_ratio"] == pytest.approx(r["ms"] / r["byte_limit_ms"])
         assert r["vs_ragged_dot"] == pytest.approx(by[(phase, "ragged_dot")]["ms"] / r["ms"])
+        # Timed again inside one device loop, beside the loop's own cost per call.
+        assert r["loop_ms"] > 0 and r["loop_floor_ms"] > 0
+        assert r["loop_byte_limit_ratio"] == pytest.approx(r["loop_ms"] / r["byte_limit_ms"])
         if kernel != bench.DENSE:
             # bf16 outputs of the same operands: one bf16 rounding (2**-9) over float32 sums.
             assert 0 < r["rel_err"] < 2**-8

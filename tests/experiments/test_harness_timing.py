@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import harness
@@ -51,3 +52,45 @@ def test_time_fn_smoke_runs_one_warm_up_and_one_timed_call():
     harness.time_fn(_recording("a", log), jnp.ones((4,)), inner=2, trials=3, warmup=1)
     jax.effects_barrier()
     assert len(log) == 1 + 2 * 3
+
+
+def test_chained_loop_runs_every_call_in_turn_and_carries_the_output_into_the_next():
+    log: list[str] = []
+    w = jnp.arange(12.0).reshape(4, 3)
+    x = {"a": jnp.ones((2, 4), jnp.bfloat16), "codes": jnp.full((2, 4), 7, jnp.uint8)}
+
+    def fn(scale, inputs):
+        jax.debug.callback(lambda: log.append("call"), ordered=True)
+        return inputs["a"].astype(jnp.float32) @ (scale * w)
+
+    loop = jax.jit(harness.chained_loop(fn, (1.0, x), 6, unroll=3, carry_arg=1))
+    a, codes = loop(1.0, *jax.tree.leaves(x))
+    jax.effects_barrier()
+    assert log == ["call"] * 6
+    # A finite output adds 0: the inputs come out as they went in.
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.ones((2, 4)))
+    np.testing.assert_array_equal(np.asarray(codes), np.full((2, 4), 7))
+    # A NaN output reaches the carried float leaf at index 0 only: each call depends on the last.
+    a, codes = loop(jnp.nan, *jax.tree.leaves(x))
+    a = np.asarray(a, np.float32)
+    assert np.isnan(a[0, 0]) and not np.isnan(a.reshape(-1)[1:]).any()
+    for bad in ({"reps": 5, "unroll": 2}, {"reps": 0, "unroll": 1}, {"reps": 4, "unroll": 0}):
+        with pytest.raises(ValueError, match="positive multiple of unroll"):
+            harness.chained_loop(fn, (1.0, x), **bad)
+    with pytest.raises(ValueError, match="carry_arg 2 is not one of the 2 arguments"):
+        harness.chained_loop(fn, (1.0, x), 2, carry_arg=2)
+
+
+def test_time_in_device_loop_divides_one_loop_by_its_calls(monkeypatch):
+    timed = []
+
+    def fake_time_fn(f, *args, **kwargs):
+        timed.append((len(args), kwargs))
+        return 0.5
+
+    monkeypatch.setattr(harness, "time_fn", fake_time_fn)
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    t = harness.time_in_device_loop(lambda a, b: a @ b, (x, w), 10, unroll=5, trials=3)
+    assert t == 0.05 and timed == [(2, {"inner": 1, "trials": 3, "warmup": 1, "smoke": False})]
+    out = harness.loop_floor_fn({"p": jnp.full((2, 2), 3, jnp.uint8)})
+    assert out.dtype == jnp.float32 and out.tolist() == [3.0]

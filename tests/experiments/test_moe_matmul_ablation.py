@@ -72,6 +72,8 @@ def test_smoke_run_times_every_case_and_records_failures(monkeypatch, tmp_path):
         assert row["x_limit"] == pytest.approx(row["us"] * 1e-6 * read_bw / row["bytes"])
         assert row["x_limit"] == pytest.approx(row["us"] / row["limit_us"])
         assert ("vs_bf16w" in row) == (variant != "bf16w")
+        assert row["loop_us"] > 0  # timed again inside one device loop
+        assert row["loop_x_limit"] == pytest.approx(row["loop_us"] / row["limit_us"])
         # The decodes are right: full, f16, f16asm (its jnp form here), full32, split-K.
         assert ("rel_err" in row) == spec.product
         if spec.product:
@@ -80,6 +82,7 @@ def test_smoke_run_times_every_case_and_records_failures(monkeypatch, tmp_path):
     saved = json.loads((tmp_path / "abl.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
     assert saved["shape"]["experts"] == g
+    assert saved["ceilings"]["loop_floor_us"] > 0
     best = {r["variant"]: r for r in saved["best_by_variant"]}
     assert set(best) == set(abl.VARIANTS) - {"swapped", "broken"}  # rows with errors: no time
     for variant, r in best.items():
