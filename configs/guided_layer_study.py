@@ -36,18 +36,17 @@ sets the regime: XLA:CPU computes the teacher-forced bf16 forward bit for bit as
 for small forwards (8 x 80 token slots do; 16 x 80 and 8 x 144 differ by an ulp in attention), so
 `--config.gap.batch=4` (4 x 176 slots) measures FP4 rounding alone, while the default 16 adds the
 bf16 differences a GPU trainer has too (the BF16 pair's router agreement below 1 shows them).
-The `small` preset's SFT'd policy on one GPU (levels 1-2, 512-wide, 8 blocks; the SFT is
-estimated at 3-5 minutes on an H200 from `table1_long`'s SFT steps):
+The `small` preset's SFT'd policy on one H200 (`guided_layer_study_small_sft.md`, REPORT section
+6): the long pilots' SFT stage (1200 steps on loop programs of levels 2-4, about 4 minutes with
+its evaluation), then the study (about 8 minutes):
 
-  W=/tmp/gls_small
-  python -m experiments.sft --config=configs/guided_layer_study.py:trained --workdir=$W/sft \
-      --config.model.preset=small --config.model.init_std=0.02 --config.tasks.levels=1,2 \
-      --config.sft.steps=1500 --config.sft.batch_size=32 --config.sft.learning_rate=1e-3 \
-      --config.sft.log_every=100 && \
+  python -m experiments.paper_table --config=configs/table1_long.py:pilot_more_rows_trace \
+      --workdir=/tmp/w --sft_only && \
   python -m experiments.guided_layer_study --config=configs/guided_layer_study.py:trained \
-      --config.model.preset=small --config.model.init_std=0.02 --config.tasks.levels=1,2 \
+      --config.model.preset=small --config.model.init_std=0.02 \
+      --config.model.grouped_matmul=auto --config.tasks.levels=2,3,4 \
       --config.gap.batch=64 --config.rl.max_new_tokens=256 \
-      --config.checkpoints="(('SFT', '$W/sft/sft_checkpoint'),)" \
+      --config.checkpoints="(('SFT', '/tmp/w/sft/sft_checkpoint'),)" \
       --name=guided_layer_study_small_sft --outdir=$OUT
 """
 

@@ -15,6 +15,7 @@ def test_bundle_keeps_logs_and_evaluations_only(tmp_path):
         "t1/trace/seed0/rl_metrics.jsonl",
         "t1/trace/seed0/rl_eval.jsonl",
         "t1/trace/seed1/same_run_as.txt",
+        "t1/bf16/seed0/adopted_from.txt",
         "sft/sft_eval.json",
         "sft/sft_metrics.jsonl",
         "logs/t1_trace_seed0.0.log",

@@ -172,6 +172,8 @@ def test_runs_finished_earlier_are_adopted_not_rerun(tmp_path):
     adopted = queue.adopt_finished(table, str(root), str(tmp_path / "results"))
     assert adopted == [str(root / "table1_nvfp4" / "qarl" / "seed0")]
     assert (root / "table1_nvfp4" / "qarl" / "seed0" / "rl_metrics.jsonl").exists()
+    note = (root / "table1_nvfp4" / "qarl" / "seed0" / queue.ADOPTED_NOTE).read_text()
+    assert note.startswith(str(done / "qarl" / "seed0") + "\n") and "SFT stage" in note
     names = [j.name for j in queue.pending_jobs([(path, table)], str(root))]
     assert "table1_nvfp4/qarl/seed0" not in names and "table1_nvfp4/qarl/seed1" in names
     assert queue.adopt_finished(table, str(root), str(tmp_path / "results")) == []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import tarfile
 
+# In a run directory copied from an earlier machine's results (`queue.adopt_finished`): where from.
+ADOPTED_NOTE = "adopted_from.txt"
 # The files of a run or SFT stage a bundle carries; never checkpoints or guidance stores.
 BUNDLE_SUFFIXES = (
     "rl_metrics.jsonl",
@@ -17,6 +19,7 @@ BUNDLE_SUFFIXES = (
     "sft_eval.json",
     "sft_metrics.jsonl",
     "same_run_as.txt",
+    ADOPTED_NOTE,
 )
 BUNDLE_DIRS_SKIPPED = ("rl_checkpoints", "guidance", "sft_checkpoint", "tensorboard", "jax_cache")
 # The job queue's event log at the root: one JSON line per job start, end, copy or skip.

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from trace_jax.rl.methods import get_method
-from trace_jax.tables.bundle import BUNDLE_SUFFIXES, EVENTS_FILE, bundle
+from trace_jax.tables.bundle import ADOPTED_NOTE, BUNDLE_SUFFIXES, EVENTS_FILE, bundle
 from trace_jax.tables.grid import Table, run_dir, sft_dir
 from trace_jax.tables.train import finished_seeds
 
@@ -180,14 +180,23 @@ def copy_run(src: str, dst: str) -> None:
 def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
     """Copies the runs finished earlier (`<done_from>/<table name>/<label>/seed<k>`, e.g.
     `experiments/results/runs`) into `root`, so their jobs do not run again; returns the run
-    directories adopted."""
+    directories adopted. Each gets `ADOPTED_NOTE` naming its source: an adopted run started from
+    the SFT stage of the machine that trained it, and GPU reductions make that stage differ from
+    one machine to the next (the SFT evaluation differs by a point or more), so a comparison
+    that must share one start runs every method in one hold."""
     src_workdir = os.path.join(done_from, table.name)
     adopted = []
     for label in table.labels:
         for seed in finished_seeds(table, src_workdir, label):
             dst = run_dir(os.path.join(root, table.name), label, seed)
             if not os.path.exists(dst):
-                shutil.copytree(run_dir(src_workdir, label, seed), dst)
+                src = run_dir(src_workdir, label, seed)
+                shutil.copytree(src, dst)
+                with open(os.path.join(dst, ADOPTED_NOTE), "w") as f:
+                    f.write(
+                        f"{os.path.abspath(src)}\nfinished on another machine, from that "
+                        "machine's SFT stage (not this one's)\n"
+                    )
                 adopted.append(dst)
     return adopted
 
