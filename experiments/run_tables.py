@@ -14,6 +14,12 @@ job logs (no checkpoints or guidance stores) into one tarball; `--unpack=runs.tg
 puts it into `experiments/results/runs/<table name>/` (`trace_jax.tables.bundle`); then
 `paper_table --aggregate_only` (`--partial` while seeds are missing) writes each table.
 
+`--done_from` adopts runs finished in an earlier invocation (another machine's, unpacked into
+the results tree) instead of training them again; once this invocation's SFT stage has run, an
+adopted run is kept only where its table's recorded SFT fingerprint equals this stage's (the
+stage runs with `--xla_gpu_deterministic_ops=true` so that it can), else it is trained again here
+(`--adopt_other_starts` keeps it anyway).
+
 `--extra` passes more flags to every job (`--config.*` overrides: the tests and CPU dry runs use
 a tiny model). One `small` run leaves an H200 mostly idle. With `grouped_matmul="ragged_dot"`
 (38 GiB train step) three runs per GPU took 1.0-1.7 s per GRPO step each and five ran out of
@@ -75,6 +81,7 @@ def main(argv):
         extra=extra,
         bundle_path=f.bundle,
         done_from=f.done_from,
+        adopt_other_starts=f.adopt_other_starts,
         mem_fraction=f.mem_fraction,
     )
     failed = sorted(k for k, rc in codes.items() if rc)
@@ -90,6 +97,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("bundle", "", "write the run logs to this .tgz at the end")
     flags.DEFINE_float("mem_fraction", 0.0, "cap each job's GPU memory at this share (0: none)")
     flags.DEFINE_string("done_from", "", "logs of runs finished earlier (experiments/results/runs)")
+    flags.DEFINE_bool(
+        "adopt_other_starts", False, "keep adopted runs whose SFT fingerprint is not this SFT's"
+    )
     flags.DEFINE_string("unpack", "", "a bundle to unpack into --unpack_to instead of running")
     flags.DEFINE_string("unpack_to", "experiments/results/runs", "where bundles are unpacked")
     flags.DEFINE_string("tag", "", "with --unpack: prefix of the unpacked logs (e.g. the date)")

@@ -21,6 +21,7 @@ from trace_jax.rl.checkpoint import (
     CheckpointCorruptError,
     checkpoint_manager,
     load_params,
+    params_fingerprint,
     restore_train_state,
     save_params,
     save_train_state,
@@ -145,6 +146,15 @@ def test_params_round_trip_and_refuse_damage_or_nan(tmp_path, policy):
     load_params(fresh, str(tmp_path / "good"))
     for a, b in zip(_snapshot(fresh, None), _snapshot(model, None), strict=True):
         np.testing.assert_array_equal(a, b)
+
+    # The fingerprint follows the parameters' bits: equal after the round trip, not for a
+    # model of another seed, nor after one element moves by one ulp.
+    assert params_fingerprint(fresh) == params_fingerprint(model)
+    assert params_fingerprint(init_model(tiny.model_config(), seed=1)) != params_fingerprint(model)
+    w = model.layers[0].attn.w_q
+    before = params_fingerprint(model)
+    w[...] = w[...].at[0, 0, 0].set(np.nextafter(w[...][0, 0, 0], np.inf, dtype=w[...].dtype))
+    assert params_fingerprint(model) != before
 
     save_params(model, str(tmp_path / "flipped"))
     _flip_bytes(_largest_array_file(str(tmp_path / "flipped")))

@@ -12,10 +12,16 @@ from flax import nnx
 
 from tests import tiny
 from trace_jax.models import init_model
-from trace_jax.rl.checkpoint import load_params
+from trace_jax.rl.checkpoint import load_params, params_fingerprint
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import read_rows
-from trace_jax.rl.sft import evaluate_sft, run_sft, sft_finished, sft_or_reuse
+from trace_jax.rl.sft import (
+    FINGERPRINT_KEY,
+    evaluate_sft,
+    run_sft,
+    sft_finished,
+    sft_or_reuse,
+)
 from trace_jax.rl.workdir import WorkdirConfigError
 
 
@@ -52,6 +58,9 @@ def test_sft_logs_evaluates_and_checkpoints_the_trained_policy(sft_run):
     b = jax.tree.leaves(nnx.state(init, nnx.Param))
     assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert evaluate_sft(restored, config, jax.random.key(config.seed + 1)) == rows
+    # The recorded fingerprint is the restored policy's, not the initialization's.
+    recorded = json.loads((workdir / "sft_eval.json").read_text())[FINGERPRINT_KEY]
+    assert recorded == params_fingerprint(restored) != params_fingerprint(init)
 
 
 def test_a_finished_stage_is_reused(sft_run, monkeypatch):

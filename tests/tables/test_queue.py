@@ -299,3 +299,54 @@ def test_run_tables_runs_the_sft_stage_then_the_jobs(tmp_path, monkeypatch):
     assert queue.run_tables(tables, module="fake_driver", root=str(root), per_gpu=1,
                             deadline_s=None, gpus=[None]) == {}  # fmt: skip
     assert not (tmp_path / "sft_args.json").exists()
+
+
+@pytest.mark.parametrize(
+    "source_fingerprint, adopt_other_starts, rerun",
+    [("f-new", False, False), ("f-old", False, True), (None, False, True), ("f-old", True, False)],
+)
+def test_adopted_runs_keep_only_a_provably_equal_sft_start(
+    tmp_path, monkeypatch, source_fingerprint, adopt_other_starts, rerun
+):
+    """The SFT stage runs with deterministic XLA flags and records its fingerprint; a run
+    adopted from earlier results is kept only where that results tree's SFT fingerprint equals
+    the new stage's (or when told to adopt other starts), else it is trained again here."""
+    (tmp_path / "fake_driver.py").write_text(
+        "import json, os, sys\n"
+        "workdir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--workdir=')][0]\n"
+        "os.makedirs(os.path.join(workdir, 'sft'), exist_ok=True)\n"
+        "json.dump({'rows': [], 'params_fingerprint': 'f-new'},\n"
+        "          open(os.path.join(workdir, 'sft', 'sft_eval.json'), 'w'))\n"
+        f"open({str(tmp_path / 'xla_flags')!r}, 'w').write(os.environ.get('XLA_FLAGS', ''))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    tables = _tables("table1", steps=100, eval_every=50)
+    results = tmp_path / "results" / "table1_nvfp4"
+    finished = results / "qarl" / "seed0"
+    finished.mkdir(parents=True)
+    (finished / "rl_eval.jsonl").write_text(json.dumps({"step": 99, "from": "earlier"}) + "\n")
+    (results / "sft").mkdir()
+    earlier = {"rows": []}
+    if source_fingerprint is not None:
+        earlier["params_fingerprint"] = source_fingerprint
+    (results / "sft" / "sft_eval.json").write_text(json.dumps(earlier))
+    root, started = tmp_path / "root", []
+    codes = queue.run_tables(
+        tables,
+        module="fake_driver",
+        root=str(root),
+        per_gpu=15,
+        deadline_s=None,
+        gpus=[None],
+        done_from=str(tmp_path / "results"),
+        adopt_other_starts=adopt_other_starts,
+        launch=_writing_launcher(str(root), set(), started),
+    )
+    flags = (tmp_path / "xla_flags").read_text().split()
+    assert flags == ["--xla_dump_to=/tmp/x", *queue.SFT_XLA_FLAGS]
+    assert ("table1_nvfp4/qarl/seed0" in started) == rerun
+    assert len(codes) == 15 - (not rerun) and not any(codes.values())
+    run = root / "table1_nvfp4" / "qarl" / "seed0"
+    assert (run / queue.ADOPTED_NOTE).exists() == (not rerun)
+    assert ("earlier" in (run / "rl_eval.jsonl").read_text()) == (not rerun)

@@ -16,6 +16,8 @@ the resumed run can save those steps again).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 
@@ -129,6 +131,14 @@ def _read_verified(restore, metadata, where: str):
         raise CheckpointCorruptError(f"{where}: unreadable ({type(e).__name__}: {e})") from e
     _verify_restored(restored, custom, where)
     return restored
+
+
+def params_fingerprint(model: nnx.Module) -> str:
+    """A hex sha256 over the checksums of `model`'s `nnx.Param` arrays by name (the ones a save
+    records): equal for bit-identical parameters, so two SFT stages, e.g. on two machines, can
+    be compared without moving either checkpoint."""
+    checksums, _ = _checksums_and_nonfinite(nnx.state(model, nnx.Param))
+    return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
 def save_params(model: nnx.Module, path: str) -> None:

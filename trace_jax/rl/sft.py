@@ -4,10 +4,11 @@
 
 Writes into `workdir`: `sft_metrics.jsonl` (a row every `sft.log_every` steps and at the last;
 TensorBoard scalars under `tensorboard/`), the orbax checkpoint `sft_checkpoint/` (the model's
-`nnx.Param` state: what `rl.init_from` names), `sft_eval.json` (`{"rows": [...]}`, pass@1 per
-held-out set with bf16 and with NVFP4 W/A/KV execution) and the stage's settings `sft_config.json`
-(`trace_jax.rl.workdir`: a workdir of an SFT stage with other settings is refused, never
-retrained over or reused).
+`nnx.Param` state: what `rl.init_from` names), `sft_eval.json` (`{"rows": [...],
+"params_fingerprint": ...}`: pass@1 per held-out set with bf16 and with NVFP4 W/A/KV execution,
+and a digest of the trained parameters' bits, `checkpoint.params_fingerprint`) and the stage's
+settings `sft_config.json` (`trace_jax.rl.workdir`: a workdir of an SFT stage with other
+settings is refused, never retrained over or reused).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from trace_jax import data
 from trace_jax.models import Qwen3MoE
 from trace_jax.quant import QuantConfig, SiteMode
-from trace_jax.rl.checkpoint import save_params
+from trace_jax.rl.checkpoint import params_fingerprint, save_params
 from trace_jax.rl.config import GRPOConfig, make_optimizer
 from trace_jax.rl.evaluate import EvalSuite, pass_at_1_by_split
 from trace_jax.rl.experiment import ExperimentConfig
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 SFT_CHECKPOINT = "sft_checkpoint"
 SFT_EVAL = "sft_eval.json"
+# In `SFT_EVAL`: `checkpoint.params_fingerprint` of the trained parameters.
+FINGERPRINT_KEY = "params_fingerprint"
 MAX_ROW_TOKENS = 4096
 
 
@@ -111,7 +114,7 @@ def run_sft(config: ExperimentConfig, workdir: str) -> list[dict]:
     save_params(model, os.path.join(workdir, SFT_CHECKPOINT))
     rows = evaluate_sft(model, config, jax.random.key(config.seed + 1))
     with open(os.path.join(workdir, SFT_EVAL), "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+        json.dump({"rows": rows, FINGERPRINT_KEY: params_fingerprint(model)}, f, indent=1)
     return rows
 
 

@@ -1,7 +1,10 @@
 """Paper tables on the GPUs of one machine: their (run, seed) pairs as a queue of detached jobs.
 
 1. The SFT warm start runs once, in `<root>/sft` (every table must share its SFT settings:
-   `check_shared_sft`), linked into each table's workdir `<root>/<table name>/sft`.
+   `check_shared_sft`), linked into each table's workdir `<root>/<table name>/sft`, with
+   deterministic XLA flags (`SFT_XLA_FLAGS`). Runs finished elsewhere can be adopted
+   (`adopt_finished`); after the SFT stage those whose start's fingerprint is not this stage's
+   are dropped and trained here (`check_adopted_starts`).
 2. Every (table, run, seed) without a final evaluation is a job, in table order. `gpus x
    per_gpu` slots each run one job at a time: a subprocess of the table driver's entry point
    with `--runs=<label> --shard=<k>/<seeds>` (exactly seed k of that run), pinned to its GPU
@@ -31,11 +34,25 @@ import time
 from collections.abc import Callable, Sequence
 
 from trace_jax.rl.methods import get_method
+from trace_jax.rl.sft import FINGERPRINT_KEY, SFT_EVAL
 from trace_jax.tables.bundle import ADOPTED_NOTE, BUNDLE_SUFFIXES, EVENTS_FILE, bundle
 from trace_jax.tables.grid import Table, run_dir, sft_dir
 from trace_jax.tables.train import finished_seeds
 
 log = logging.getLogger(__name__)
+
+
+# The SFT stage's XLA flags on a GPU: deterministic reductions and scatters and no timing-based
+# autotuning, so that the stage gives the same bits on another machine of the same kind and
+# runs adopted from an earlier machine start where the new ones do (`check_adopted_starts`).
+SFT_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+
+
+def sft_env(root: str, gpu: int | None) -> dict[str, str]:
+    """The SFT stage's environment: `job_env` with `SFT_XLA_FLAGS` added to `XLA_FLAGS`."""
+    env = job_env(root, gpu)
+    env["XLA_FLAGS"] = " ".join([*env.get("XLA_FLAGS", "").split(), *SFT_XLA_FLAGS])
+    return env
 
 
 def job_env(root: str, gpu: int | None, mem_fraction: float = 0.0) -> dict[str, str]:
@@ -201,6 +218,45 @@ def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
     return adopted
 
 
+def sft_fingerprint(directory: str) -> str | None:
+    """The parameters' fingerprint the SFT stage in `directory` recorded (`rl.sft`), or None
+    where it has none (no stage, or one recorded before fingerprints)."""
+    path = os.path.join(directory, SFT_EVAL)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get(FINGERPRINT_KEY)
+
+
+def check_adopted_starts(tables: Sequence[Table], root: str, done_from: str) -> list[str]:
+    """Removes the runs adopted into `root` (`adopt_finished`) whose SFT start is not provably
+    this root's: their source table's SFT fingerprint (`<done_from>/<table>/sft`) missing or not
+    equal to `<root>/sft`'s. Returns the run directories removed: their jobs become pending and
+    run from this root's start, so a table never mixes two starts silently."""
+    here = sft_fingerprint(sft_dir(root))
+    removed = []
+    for table in tables:
+        there = sft_fingerprint(sft_dir(os.path.join(done_from, table.name)))
+        if here is not None and there == here:
+            continue
+        dirs = [
+            run_dir(os.path.join(root, table.name), label, seed)
+            for label in table.labels
+            for seed in table.seeds
+        ]
+        dirs = [d for d in dirs if os.path.exists(os.path.join(d, ADOPTED_NOTE))]
+        for d in dirs:
+            shutil.rmtree(d)
+        if dirs:
+            log.warning(
+                "%s: SFT fingerprint %s here, %s where its %d adopted runs started: running "
+                "them again from this start",
+                table.name, here, there, len(dirs),
+            )  # fmt: skip
+        removed += dirs
+    return removed
+
+
 def link_sft(root: str, tables: Sequence[str]) -> None:
     """Points each table workdir's `sft` at the shared `<root>/sft`."""
     os.makedirs(sft_dir(root), exist_ok=True)
@@ -356,6 +412,7 @@ def run_tables(
     gpus: Sequence[int | None] | None = None,
     bundle_path: str = "",
     done_from: str = "",
+    adopt_other_starts: bool = False,
     mem_fraction: float = 0.0,
     launch: Launch | None = None,
 ) -> dict[str, int]:
@@ -364,7 +421,9 @@ def run_tables(
     tables: (config path, table) pairs; each job runs `python -m <module> --config=<path>`
       (the table driver's entry point) with `extra` (e.g. `--config.*` overrides).
     gpus: GPU indices (default: every visible GPU); `per_gpu` jobs share each.
-    done_from: where the logs of runs finished earlier are (`adopt_finished`).
+    done_from: where the logs of runs finished earlier are (`adopt_finished`). Once the SFT
+      stage has run, adopted runs of another start are run again (`check_adopted_starts`)
+      unless `adopt_other_starts`.
     bundle_path: write the run logs to this tarball at the end (`bundle`).
     """
     t0 = time.perf_counter()
@@ -389,9 +448,13 @@ def run_tables(
         os.makedirs(os.path.join(root, "logs"), exist_ok=True)
         with open(os.path.join(root, "logs", "sft.log"), "w") as out:
             subprocess.run(
-                sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(root, gpus[0]),
+                sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=sft_env(root, gpus[0]),
                 check=True,
             )  # fmt: skip
+        if done_from and not adopt_other_starts:
+            if check_adopted_starts([t for _, t in tables], root, done_from):
+                pending = pending_jobs(tables, root)
+                jobs = share_identical_runs([t for _, t in tables], root, pending)
         left = None if deadline_s is None else deadline_s - (time.perf_counter() - t0)
         codes = run_queue(
             jobs,
