@@ -55,6 +55,10 @@ def test_jobs_are_the_unfinished_pairs_and_pick_one_seed(tmp_path):
     assert "table1_nvfp4/trace/seed1" not in names and "table1_nvfp4/trace/seed2" in names
     assert "table4_mxfp4/fp4_qat_mxfp4_w4a8/seed0" in names  # unfinished: still a job
     assert names[0] == "table1_nvfp4/bf16/seed0" and names[-1].startswith("table4_mxfp4/")
+    # Seed by seed within a table: every run's seed 0 first (a lost machine leaves whole seeds).
+    labels = tables[0][1].labels
+    assert names[: len(labels)] == [f"table1_nvfp4/{label}/seed0" for label in labels]
+    assert names[len(labels)] == f"table1_nvfp4/{labels[0]}/seed1"
     job = next(j for j in jobs if j.name == "table1_nvfp4/trace/seed2")
     cmd = job.command("/r", "experiments.paper_table", ["--config.rl.steps=4"])
     assert cmd[1:3] == ["-m", "experiments.paper_table"] and cmd[-1] == "--config.rl.steps=4"

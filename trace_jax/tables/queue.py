@@ -120,15 +120,17 @@ def check_shared_sft(tables: Sequence[Table]) -> None:
 
 
 def pending_jobs(tables: Sequence[tuple[str, Table]], root: str) -> list[Job]:
-    """Every (table, run, seed) without a final evaluation under `root`, in table order;
-    `tables`: (config path, table) pairs."""
+    """Every (table, run, seed) without a final evaluation under `root`, in table order and
+    within a table seed by seed (every run's seed 0, then every run's seed 1, ...): what a
+    deadline or a lost machine leaves finished is whole seeds of the table's comparison, each
+    from one SFT start; `tables`: (config path, table) pairs."""
     jobs = []
     for path, table in tables:
         workdir = os.path.join(root, table.name)
-        for label in table.labels:
-            done = finished_seeds(table, workdir, label)
-            for k, seed in enumerate(table.seeds):
-                if seed not in done:
+        done = {label: finished_seeds(table, workdir, label) for label in table.labels}
+        for k, seed in enumerate(table.seeds):
+            for label in table.labels:
+                if seed not in done[label]:
                     jobs.append(Job(path, table.name, label, seed, k, len(table.seeds)))
     return jobs
 
