@@ -1,9 +1,22 @@
 r"""Table 1 analog in the long-response regime: NVFP4 W/A/KV rollouts, every method, `small`, on
 loop programs whose worked solutions run 192-2048 tokens (`trace_jax.tasks.loop`).
 
+  TABLES=configs/table1_long.py PER_GPU=6 MEM_FRACTION=0.15 \
+      DONE_FROM=experiments/results/runs bash scripts/detached_jobs/start.sh 540   # on an H200
   python -m experiments.paper_table --config=configs/table1_long.py --workdir=workdir/table1_long
   python -m experiments.paper_table --config=configs/table1_long.py:pilot \
       --workdir=workdir/table1_long_pilot --runs=bf16,fp4_qat,trace
+
+The table (no variant, `table1_long`): the regime the pilots found (`pilot_more_rows`: levels 2-4,
+responses to 1024 tokens, 16 prompts x 8 samples a step, 60 GRPO steps at 3e-5 after 1200 SFT
+steps, 96 held-out problems per split at steps 29 and 59), where fp4_qat ends 4.0-4.5 points
+below BF16 in three holds, with Table 1's methods, TRACE on the deeper half and on every layer,
+3 seeds: 18 runs. One H200 held for 30 minutes runs the SFT stage and six of them (one seed of
+every method: the queue runs seed by seed); the rest follow in later holds with `DONE_FROM`,
+each hold running the SFT stage again: its deterministic XLA flags make it the same policy on
+another H200, and a run adopted from a hold whose SFT fingerprint differs is trained again
+(`trace_jax.tables.queue.check_adopted_starts`). `full_length`: the first design, levels 2-5 to
+2048 tokens, 100 steps (one run takes an H200 to itself for about 25 minutes, sizing below).
 
 The short tasks' responses (at most about 100 tokens) leave no room for a per-token
 train-rollout mismatch to compound over a sequence; here every rollout samples up to 2048
@@ -79,6 +92,7 @@ from configs import small_gpu
 from trace_jax.tables.grid import table_section
 
 LOOP_SPLITS = ("loop_l2", "loop_l3", "loop_l4", "loop_l5")
+METHODS = ("bf16", "fp4_qat", "qarl", "quads", "trace", "trace all")
 MAX_SOLUTION_TOKENS = 2048  # level 5's band ends here (EOS included)
 # variant: what it changes in `pilot` (learning rate, SFT steps, GRPO steps, prompts a step,
 # methods, held-out problems per split, seeds)
@@ -114,8 +128,22 @@ PILOTS["pilot_more_rows_trace"] = {
 PILOTS["pilot_more_rows_trace_1seed"] = {**PILOTS["pilot_more_rows_trace"], "seeds": (0,)}
 
 
+# The table in the regime the pilots found: `pilot_more_rows` with Table 1's methods and TRACE
+# on every layer as well, 3 seeds.
+TABLE = {**PILOTS["pilot_more_rows"], "methods": METHODS, "seeds": (0, 1, 2)}
+
+
+def run_overrides(label: str) -> dict:
+    """A run label's config overrides: `<method>` (TRACE: the deeper half guided) or
+    `trace all` (every layer guided); NVFP4 W/A/KV rollouts."""
+    method, _, layers = label.partition(" ")
+    overrides = {"rl.method": method, "rl.format": "nvfp4"}
+    return {**overrides, "rl.guided_layers": layers} if layers else overrides
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The long-regime Table 1; `arg`: a one-machine pilot (`PILOTS`, docstring)."""
+    """The long-regime Table 1 (`TABLE`); `arg`: `full_length`, or a one-machine pilot
+    (`PILOTS`, docstring)."""
     c = small_gpu.get_config()
     c.tasks.update(kinds=("loop",), levels=(2, 3, 4, 5))
     c.sft.update(steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100, log_every=100)
@@ -140,11 +168,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.model.remat = True  # docstring: long rows
     c.eval.in_bf16_too = True  # docstring: FP4 execution apart from training
-    name, seeds = "table1_long", (0, 1, 2)
-    methods = ("bf16", "fp4_qat", "qarl", "quads", "trace")
-    if arg in PILOTS:
-        p = PILOTS[arg]
-        name, seeds, methods = f"table1_long_{arg}", p["seeds"], p["methods"]
+    if arg == "full_length":
+        name, seeds, methods = "table1_long_full_length", (0, 1, 2), METHODS[:5]
+    elif arg is None or arg in PILOTS:
+        p = PILOTS[arg] if arg else TABLE
+        name = f"table1_long_{arg}" if arg else "table1_long"
+        seeds, methods = p["seeds"], p["methods"]
         c.tasks.update(levels=(2, 3, 4))
         c.sft.update(steps=p["sft_steps"])
         c.eval.update(
@@ -161,11 +190,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             mismatch_every=p["rl_steps"],
         )
     elif arg:
-        raise ValueError(f"unknown config variant {arg!r}; known: {sorted(PILOTS)}")
+        raise ValueError(f"unknown config variant {arg!r}; known: full_length, {sorted(PILOTS)}")
     c.table = table_section(
         name=name,
         title="Table 1 analog, long responses: NVFP4 W/A/KV rollout, pass@1 after GRPO",
         seeds=seeds,
-        runs=tuple((m, {"rl.method": m, "rl.format": "nvfp4"}) for m in methods),
+        runs=tuple((label, run_overrides(label)) for label in methods),
     )
     return c

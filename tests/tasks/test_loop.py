@@ -148,12 +148,13 @@ def test_held_out_splits_rise_in_length_and_are_disjoint_from_training():
     assert not held_out & set(trained)
 
 
-@pytest.mark.parametrize("variant", [None, *table1_long.PILOTS])
+@pytest.mark.parametrize("variant", [None, "full_length", *table1_long.PILOTS])
 def test_long_config_validates_and_fits_the_tasks(variant):
     cd = table1_long.get_config(variant)
     config = ExperimentConfig.from_config_dict(cd)
     table = Table.from_config_dict(cd)
-    splits = LOOP_SPLITS[:3] if variant else LOOP_SPLITS  # the pilot stops at 1024
+    full = variant == "full_length"
+    splits = LOOP_SPLITS if full else LOOP_SPLITS[:3]  # the pilots' regime stops at 1024
     assert config.tasks.kinds == ("loop",) and config.eval.splits == splits
     assert benchmark_splits(config.eval.splits) == list(splits)  # the table averages them
     longest = max(tasks.level_spec("loop", lv).max_solution_tokens for lv in config.tasks.levels)
@@ -163,11 +164,11 @@ def test_long_config_validates_and_fits_the_tasks(variant):
     prompt_cap = max(tasks.level_spec("loop", lv).max_prompt_tokens for lv in config.tasks.levels)
     assert config.tasks.prompt_width >= prompt_cap
     assert config.tasks.sft_row_length >= prompt_cap + longest
-    assert tuple(table.seeds) == (table1_long.PILOTS[variant]["seeds"] if variant else (0, 1, 2))
+    pilot = table1_long.PILOTS.get(variant, table1_long.TABLE)
+    assert tuple(table.seeds) == ((0, 1, 2) if full else pilot["seeds"])
     assert config.model.remat  # long rows: each block recomputed in the backward
     assert config.eval.in_bf16_too  # FP4 policies scored in bf16 as well
-    if variant:
-        pilot = table1_long.PILOTS[variant]
+    if not full:
         assert (config.rl.grpo.learning_rate, config.sft.steps) == (
             pilot["learning_rate"],
             pilot["sft_steps"],
@@ -180,6 +181,13 @@ def test_long_config_validates_and_fits_the_tasks(variant):
         assert config.rl.eval_every == config.rl.steps // 2  # mid-run and final evaluations
         assert tuple(table.labels) == pilot["methods"]
     assert "fp4_qat" in table.labels and "bf16" in table.labels
+    if variant is None:  # the table: Table 1's methods, TRACE on the deeper half and on all
+        assert table.labels[:5] == ["bf16", "fp4_qat", "qarl", "quads", "trace"]
+        assert table.labels[5] == "trace all" and len(table.labels) == 6
+        all_layers = table.run_config("trace all", 0).rl
+        assert (all_layers.method, all_layers.guided_layers) == ("trace", "all")
+        assert table.run_config("trace", 0).rl.guided_layers in ("", None, "half")
+        assert table.run_config("qarl", 0).rl.format == "nvfp4"
 
 
 def test_a_long_task_does_not_widen_the_short_tasks_sft_rows():
