@@ -11,10 +11,11 @@ python -m experiments.bench_moe_matmul --config=configs/bench_moe_matmul.py:smok
 
 `block_configs.<phase>.<kernel>`: a tuple of dicts of the kernel's tiling keywords (block_m,
 block_n, block_k, num_warps, num_stages; the FP4 kernel also `grid`), `{}` being the kernel's
-`default_block_config` for the shape. The first entries are the defaults and their neighbours;
+`default_block_config` for the shape, `{"weights_left": True}` the defaults with the decoded FP4
+weights as the dots' left operand. The first entries are the defaults and their neighbours;
 each list is about ten compiles, so the sweep takes a few minutes on the H200. `default_tiles`:
-each Pallas kernel at its default tiles only, at decode and the large prefill (a re-measure after a
-kernel change).
+each Pallas kernel at its default tiles only (the FP4 kernel also with `weights_left`), at decode
+and the large prefill (a re-measure after a kernel change).
 """
 
 import ml_collections
@@ -30,6 +31,7 @@ def _bf16(block_m, block_n, block_k, num_warps, num_stages) -> dict:
     )
 
 
+WEIGHTS_LEFT = {"weights_left": True}
 _fp4 = _bf16  # same keywords; the FP4 kernel's block_k counts both planes (block_k / 2 each)
 
 # (block_m, block_n, block_k, num_warps, num_stages) per phase, beside the defaults ({}): their
@@ -130,6 +132,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     }
     c.block_configs.prefill.fp4_bf16_act += ({"grid": "row_tiles"},)
     c.block_configs.prefill.fp4_nvfp4_act += ({"grid": "row_tiles"},)
+    # The default tiles with the decoded weights as the dots' left operand (kernel.BlockConfig).
+    for phase in BF16_SWEEP:
+        for kernel in ("fp4_bf16_act", "fp4_nvfp4_act"):
+            c.block_configs[phase][kernel] += (WEIGHTS_LEFT,)
     if arg == "smoke":
         c.smoke = True
         c.experts, c.d_model, c.d_ff = 4, 64, 64
@@ -144,7 +150,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.block_configs = {
             "decode": {
                 "pallas_bf16": (bf16, failing),
-                "fp4_bf16_act": ({},),
+                "fp4_bf16_act": ({}, WEIGHTS_LEFT),
                 "fp4_nvfp4_act": (row_tiles,),
             },
             "prefill": {
@@ -156,7 +162,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     elif arg == "default_tiles":
         phases = ("decode", "prefill")
         c.phases = tuple(p for p in c.phases if p[0] in phases)
-        c.block_configs = {p: {k: ({},) for k in c.block_configs[p]} for p in phases}
+        c.block_configs = {
+            p: {k: ({}, WEIGHTS_LEFT) if k.startswith("fp4") else ({},) for k in c.block_configs[p]}
+            for p in phases
+        }
     elif arg:
         raise ValueError(f"unknown config variant {arg!r}; known: 'default_tiles', 'smoke'")
     return c

@@ -22,6 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # cores' smallest tile.
     c.rows_per_expert = 16
     c.variants = ("stream", "decode", "dot", "full", "f16", "f16asm", "stream32", "full32", "bf16w")
+    c.variants += ("f16asm_wl", "bf16w_wl")  # the weights as the dots' left operand
     c.no_hints = ("stream", "full")  # timed again without the alignment hints
     c.split_k = (2, 4)  # K splits, at the first block config
     c.split_k_variants = ("full", "bf16w")

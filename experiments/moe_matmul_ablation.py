@@ -26,6 +26,11 @@ the one before it:
   full32    `full` from uint32 words: eight nibble planes, eight dots of block_k / 8 each;
   bf16w     bf16 weights `[G, N, K]` and one dot per step: what a bf16 grouped matmul costs (the
             twin every FP4 row is compared with).
+  f16asm_wl, bf16w_wl
+            `f16asm` and `bf16w` with the weights as the dots' left operand (the accumulator
+            `[block_n, rows]`, transposed once at the end): Hopper's wgmma takes its left
+            operand from registers and its right one from shared memory, so decoded weights on
+            the right go back through shared memory before the tensor cores read them.
 
 Every variant runs every block config with the K offsets hinted aligned (`pl.multiple_of`); the
 `config.no_hints` variants again without the hints, and the `config.split_k_variants` with K split
@@ -148,6 +153,7 @@ class Variant:
     product: bool
     dtype: jnp.dtype = jnp.bfloat16
     unscale: float = 1.0
+    weights_left: bool = False  # the accumulator is `[block_n, rows]`: weights the dots' LHS
 
 
 def _row_sums(acc: jax.Array, tile: jax.Array) -> jax.Array:
@@ -159,6 +165,16 @@ def _dots(step: KStep, planes, acc: jax.Array) -> jax.Array:
     """`acc` plus plane p of the activations times weight plane p (`[block_n, c]`), over p."""
     for p, w in enumerate(planes):
         acc = acc + jnp.dot(step.x(p), w.T, preferred_element_type=jnp.float32)
+    return acc
+
+
+def _dots_weights_left(step: KStep, planes, acc: jax.Array) -> jax.Array:
+    """`_dots` transposed: `acc` `[block_n, rows]` plus weight plane p times activation plane p
+    transposed. The weights are the dots' left operand, which Hopper's wgmma can take from
+    registers (the right one it reads from shared memory): decoded weights need not make a
+    round trip through shared memory to reach the tensor cores."""
+    for p, w in enumerate(planes):
+        acc = acc + jnp.dot(w, step.x(p).T, preferred_element_type=jnp.float32)
     return acc
 
 
@@ -202,13 +218,15 @@ def _full(step, acc):
     return _dots(step, [p * scales for p in _e4m3_planes(step)], acc)
 
 
-def _f16(inline_asm: bool) -> Body:
+def _f16(inline_asm: bool, weights_left: bool = False) -> Body:
+    dots = _dots_weights_left if weights_left else _dots
+
     def body(step, acc):
         asm = inline_asm and not step.interpret  # PTX lowers through Triton only
         planes = fp4_planes_as_f16(step.weights(), inline_asm=asm)  # value * 2**-14
         scales = _block_scales(step, jnp.float16)
         # code * scale * 2**-14 is exact in float16 (`common.split_block_scales`).
-        return _dots(step, [p * scales for p in planes], acc)
+        return dots(step, [p * scales for p in planes], acc)
 
     return body
 
@@ -222,6 +240,10 @@ def _bf16w(step, acc):
     return _dots(step, [step.weights()], acc)
 
 
+def _bf16w_left(step, acc):
+    return _dots_weights_left(step, [step.weights()], acc)
+
+
 VARIANTS: dict[str, Variant] = {
     "stream": Variant(_stream, "u8", reads_scales=False, product=False),
     "decode": Variant(_decode, "u8", reads_scales=False, product=False),
@@ -232,7 +254,13 @@ VARIANTS: dict[str, Variant] = {
     "stream32": Variant(_stream, "u32", reads_scales=False, product=False),
     "full32": Variant(_full32, "u32", reads_scales=True, product=True, unscale=1 / E4M3_ALIGN),
     BF16_TWIN: Variant(_bf16w, "bf16", reads_scales=False, product=False),
-}
+    # The same two with the weights as the dots' left operand (`_dots_weights_left`).
+    "f16asm_wl": Variant(
+        _f16(True, weights_left=True), "u8", True, True, dtype=jnp.float16,
+        unscale=1 / F16_ALIGN, weights_left=True,
+    ),
+    "bf16w_wl": Variant(_bf16w_left, "bf16", False, False, weights_left=True),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +339,9 @@ def run_case(weights, s_bits, x_planes, out_scale, *, case: Case, interpret: boo
                 step = KStep(w_ref, s_ref, x_ref, gi, rows, k0, bk, planes, case.hints, interpret)
                 return variant.body(step, acc)
 
-            acc = jax.lax.fori_loop(0, k_split // bk, k_step, jnp.zeros((r, bn), jnp.float32))
-            o_ref[0, rows, :] = acc * f_ref[gi]
+            shape = (bn, r) if variant.weights_left else (r, bn)
+            acc = jax.lax.fori_loop(0, k_split // bk, k_step, jnp.zeros(shape, jnp.float32))
+            o_ref[0, rows, :] = (acc.T if variant.weights_left else acc) * f_ref[gi]
             return carry
 
         if epp == 1:  # no expert loop: the production kernel's program

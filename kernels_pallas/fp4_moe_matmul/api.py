@@ -78,6 +78,7 @@ def block_config(
     num_warps: int | None = None,
     num_stages: int | None = None,
     grid: str | None = None,
+    weights_left: bool | None = None,
 ) -> BlockConfig:
     """The Pallas tiling for these operands: given values as they are (ValueError if they do not
     tile N and K or miss the formats' scale blocks), the rest from
@@ -92,6 +93,7 @@ def block_config(
         num_warps=num_warps,
         num_stages=num_stages,
         grid=grid or BlockConfig.grid,
+        weights_left=BlockConfig.weights_left if weights_left is None else weights_left,
     )
     if given["grid"] == "row_tiles" and block_m is None:
         given["block_m"] = min(64, max(16, pl.next_power_of_2(m)))
@@ -187,6 +189,7 @@ def fp4_moe_matmul_with_implementation(
     num_warps: int | None = None,
     num_stages: int | None = None,
     grid: str | None = None,
+    weights_left: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> tuple[jax.Array, MoEImplementation]:
@@ -200,6 +203,7 @@ def fp4_moe_matmul_with_implementation(
         num_warps=num_warps,
         num_stages=num_stages,
         grid=grid,
+        weights_left=weights_left,
     )
 
     def runner(name):
@@ -222,6 +226,7 @@ def fp4_moe_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     grid: str | None = None,
+    weights_left: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
@@ -239,6 +244,8 @@ def fp4_moe_matmul(
         None: `kernel.default_block_config` for these shapes (`block_config`); the Mosaic
         kernel's own defaults on a TPU.
       grid: Pallas program order, "row_tiles" or "groups" (default; see `kernel.GRID_ORDERS`).
+      weights_left: the decoded weights as the tile dots' left operand (`kernel.BlockConfig`,
+        the Triton kernel; None: off).
       interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
         kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
         `common.pallas_target`.
@@ -257,6 +264,7 @@ def fp4_moe_matmul(
         num_warps=num_warps,
         num_stages=num_stages,
         grid=grid,
+        weights_left=weights_left,
         interpret=interpret,
         out_dtype=out_dtype,
     )

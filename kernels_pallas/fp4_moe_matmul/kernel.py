@@ -128,10 +128,14 @@ class BlockConfig:
     num_warps: int = 4
     num_stages: int = 2
     grid: str = "groups"
+    # The decoded weights as each dot's left operand (`_tile_product`); off until measured.
+    weights_left: bool = False
 
     def __post_init__(self):
         if self.grid not in GRID_ORDERS:
             raise ValueError(f"grid must be one of {GRID_ORDERS}, got {self.grid!r}")
+        if not isinstance(self.weights_left, bool):
+            raise ValueError(f"weights_left must be a bool, got {self.weights_left!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             least = 2 * MIN_DOT_DIM if name == "block_k" else MIN_DOT_DIM  # K: two planes
@@ -234,6 +238,7 @@ class _Statics:
     w_fmt: fp4.BlockFormat
     out_dtype: jnp.dtype
     inline_asm: bool  # the weights' FP4 decode in PTX (compiled Triton only)
+    weights_left: bool = False  # `BlockConfig.weights_left`
 
     @property
     def dot_dtype(self) -> jnp.dtype:
@@ -317,6 +322,14 @@ def _tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
     bm, bn, half = st.block_m, st.block_n, st.block_k // 2
     mask = jnp.broadcast_to(in_tile[:, None], (bm, half))
 
+    def product(a, w):
+        # weights_left: `[bn, bm]`, the decoded weights as the dot's left operand, which
+        # Hopper's wgmma reads from registers (its right operand it reads from shared memory,
+        # where decoded weights on the right would go first); else `[bm, bn]`.
+        if st.weights_left:
+            return jnp.dot(w, a.T, preferred_element_type=jnp.float32)
+        return jnp.dot(a, w.T, preferred_element_type=jnp.float32)
+
     def k_step(kk, acc):
         # K split into even and odd columns: packed weight bytes decode without interleave.
         k0 = pl.multiple_of(kk * st.block_k, st.block_k)
@@ -324,10 +337,12 @@ def _tile_product(in_refs, g, rows, in_tile, *, st: _Statics):
         # [bm, bk / 2] each, 0 outside the group's rows
         a_even, a_odd = (plgpu.load(a.at[rows, cols], mask=mask, other=0.0) for a in lhs_refs[:2])
         w_even, w_odd = _weight_planes(w_refs, g, k0, st)  # [bn, bk / 2] each
-        acc = acc + jnp.dot(a_even, w_even.T, preferred_element_type=jnp.float32)
-        return acc + jnp.dot(a_odd, w_odd.T, preferred_element_type=jnp.float32)
+        return acc + product(a_even, w_even) + product(a_odd, w_odd)
 
-    acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros((bm, bn), jnp.float32))
+    shape = (bn, bm) if st.weights_left else (bm, bn)
+    acc = jax.lax.fori_loop(0, st.k // st.block_k, k_step, jnp.zeros(shape, jnp.float32))
+    if st.weights_left:
+        acc = acc.T  # once per tile, after the K loop
     acc = acc * st.unscale  # the FP4-decode factors, powers of two: exact
     if st.w_fmt.has_global_scale:
         acc = acc * w_refs[2][g]
@@ -398,7 +413,10 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
     num_tiles = pl.cdiv(m, bm)
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret)
+    st = _Statics(
+        m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret,
+        config.weights_left,
+    )  # fmt: skip
 
     def whole(size):
         return pl.BlockSpec((size,), lambda i, j: (0,))
@@ -433,7 +451,10 @@ def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
     m, k = lhs.shape
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
-    st = _Statics(m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret)
+    st = _Statics(
+        m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret,
+        config.weights_left,
+    )  # fmt: skip
     mp = padded_rows(m, bm)
 
     def whole(*shape):

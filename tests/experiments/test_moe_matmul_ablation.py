@@ -67,7 +67,8 @@ def test_smoke_run_times_every_case_and_records_failures(monkeypatch, tmp_path):
             continue
         assert "error" not in row, row
         spec = abl.VARIANTS[variant]
-        assert row["bytes"] == (bf16 if variant == "bf16w" else codes + scales * spec.reads_scales)
+        weight_bytes = bf16 if spec.layout == "bf16" else codes + scales * spec.reads_scales
+        assert row["bytes"] == weight_bytes
         assert row["us"] > 0 and row["GBps"] == pytest.approx(row["bytes"] / row["us"] / 1e3)
         assert row["x_limit"] == pytest.approx(row["us"] * 1e-6 * read_bw / row["bytes"])
         assert row["x_limit"] == pytest.approx(row["us"] / row["limit_us"])

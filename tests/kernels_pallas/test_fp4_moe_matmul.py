@@ -212,17 +212,17 @@ class TestPallasInterpretGroupMajor(TestPallasInterpret):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("weights_left", [False, True])
 @pytest.mark.parametrize("grid", ["row_tiles", "groups"])
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)])
-def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid):
+def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid, weights_left):
     """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
     from jax.experimental.pallas import triton as plgpu
 
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
-    f = functools.partial(
-        fp4_moe_matmul_pallas, config=BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid)
-    )
+    config = BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid, weights_left=weights_left)
+    f = functools.partial(fp4_moe_matmul_pallas, config=config)
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
     checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
@@ -466,3 +466,23 @@ def test_bad_inputs_raise_clear_errors():
         run(lhs, rhs, gs, block_n=64)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         run(lhs, rhs, gs, block_m=24)
+
+
+@pytest.mark.parametrize("grid", ["row_tiles", "groups"])
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, None)], ids=_id)
+def test_weights_as_the_left_operand_give_the_same_product(grid, w_fmt, a_fmt):
+    """`weights_left` (the decoded weights as each tile dot's left operand, the accumulator
+    transposed) computes the reference's product on either grid, empty and ragged groups
+    included; the setting is validated."""
+    lhs, rhs = make_operands(w_fmt, a_fmt, seed=3)
+    tiling = dict(block_m=16, block_n=16, block_k=32, grid=grid, weights_left=True)
+    for sizes in GROUP_SIZES.values():
+        gs = jnp.asarray(sizes, jnp.int32)
+        out = fp4_moe_matmul(
+            lhs, rhs, gs, implementation="pallas", interpret=True, out_dtype=jnp.float32, **tiling
+        )
+        assert_matches_reference(out, lhs, rhs, gs, exact=False)
+    assert api.block_config(lhs, rhs, weights_left=True).weights_left
+    assert not api.block_config(lhs, rhs).weights_left
+    with pytest.raises(ValueError, match="weights_left must be a bool"):
+        BlockConfig(weights_left=1)
