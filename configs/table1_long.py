@@ -75,6 +75,9 @@ in use, bf16 done in 760 s and the FP4 runs at about 12-15 s a step, about 25 mi
 SFT stage);
 `pilot_more_rows_trace_1seed` its first seed alone (three runs: a hold with about 17 minutes
 left).
+`pilot_no_is_cap` and `pilot_mxfp4_w4a4`: `pilot_more_rows_trace` with the truncated importance
+weight turned off (`rl.is_cap=None`: no correction for the rollout's FP4 log-probs) and with
+MXFP4 weights and activations (W4A4; the hypothesis' coarser format), six runs each.
 
 Every FP4 run's evaluations score its policy run in bf16 as well (`eval.in_bf16_too`,
 `average@bf16` in the table): in the pilots the same SFT policy solves up to 3 points fewer
@@ -126,6 +129,12 @@ PILOTS["pilot_more_rows_trace"] = {
     "methods": ("bf16", "fp4_qat", "trace"),
 }
 PILOTS["pilot_more_rows_trace_1seed"] = {**PILOTS["pilot_more_rows_trace"], "seeds": (0,)}
+# Two knobs of the hypothesis at `pilot_more_rows_trace`'s setting (`overrides`: of every run).
+PILOTS["pilot_no_is_cap"] = {**PILOTS["pilot_more_rows_trace"], "overrides": {"rl.is_cap": None}}
+PILOTS["pilot_mxfp4_w4a4"] = {
+    **PILOTS["pilot_more_rows_trace"],
+    "overrides": {"rl.format": "mxfp4_w4a4"},
+}
 
 
 # The table in the regime the pilots found: `pilot_more_rows` with Table 1's methods and TRACE
@@ -133,12 +142,15 @@ PILOTS["pilot_more_rows_trace_1seed"] = {**PILOTS["pilot_more_rows_trace"], "see
 TABLE = {**PILOTS["pilot_more_rows"], "methods": METHODS, "seeds": (0, 1, 2)}
 
 
-def run_overrides(label: str) -> dict:
+def run_overrides(label: str, more: dict | None = None) -> dict:
     """A run label's config overrides: `<method>` (TRACE: the deeper half guided) or
-    `trace all` (every layer guided); NVFP4 W/A/KV rollouts."""
+    `trace all` (every layer guided); NVFP4 W/A/KV rollouts unless `more` (overrides of every
+    run of the table) says otherwise."""
     method, _, layers = label.partition(" ")
     overrides = {"rl.method": method, "rl.format": "nvfp4"}
-    return {**overrides, "rl.guided_layers": layers} if layers else overrides
+    if layers:
+        overrides["rl.guided_layers"] = layers
+    return {**overrides, **(more or {})}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -168,12 +180,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.model.remat = True  # docstring: long rows
     c.eval.in_bf16_too = True  # docstring: FP4 execution apart from training
+    more = {}
     if arg == "full_length":
         name, seeds, methods = "table1_long_full_length", (0, 1, 2), METHODS[:5]
     elif arg is None or arg in PILOTS:
         p = PILOTS[arg] if arg else TABLE
         name = f"table1_long_{arg}" if arg else "table1_long"
-        seeds, methods = p["seeds"], p["methods"]
+        seeds, methods, more = p["seeds"], p["methods"], p.get("overrides", {})
         c.tasks.update(levels=(2, 3, 4))
         c.sft.update(steps=p["sft_steps"])
         c.eval.update(
@@ -195,6 +208,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         name=name,
         title="Table 1 analog, long responses: NVFP4 W/A/KV rollout, pass@1 after GRPO",
         seeds=seeds,
-        runs=tuple((label, run_overrides(label)) for label in methods),
+        runs=tuple((label, run_overrides(label, more)) for label in methods),
     )
     return c

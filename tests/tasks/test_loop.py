@@ -180,6 +180,11 @@ def test_long_config_validates_and_fits_the_tasks(variant):
         assert config.eval.problems_per_split == pilot["eval_problems"]
         assert config.rl.eval_every == config.rl.steps // 2  # mid-run and final evaluations
         assert tuple(table.labels) == pilot["methods"]
+        more = pilot.get("overrides", {})
+        for label in table.labels:  # a pilot's overrides reach every run
+            rl = table.run_config(label, 0).rl
+            assert rl.grpo.is_cap == more.get("rl.is_cap", 5.0)
+            assert rl.format == more.get("rl.format", "nvfp4")
     assert "fp4_qat" in table.labels and "bf16" in table.labels
     if variant is None:  # the table: Table 1's methods, TRACE on the deeper half and on all
         assert table.labels[:5] == ["bf16", "fp4_qat", "qarl", "quads", "trace"]
