@@ -32,7 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (block_n, block_k, num_warps, num_stages): the FP4 kernel's decode default, a wide-tile
     # config and the prefill tiles (every variant runs every one).
     c.block_configs = ((64, 256, 4, 3), (128, 256, 8, 3), (128, 128, 4, 3))
-    c.rounds = 5  # alternating timing rounds (`harness.time_interleaved`)
+    c.rounds = 5  # alternating timing rounds (`experiments.timing.time_interleaved`)
     # Then each inside one device loop of about this many seconds of launches (0: not timed so),
     # loop_unroll launches an iteration: below the host's per-call dispatch floor.
     c.loop_seconds = 0.05

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 
 COLUMNS = [
     "size_mb",
@@ -43,7 +43,7 @@ def loop_read_seconds(n_bytes: int, *, smoke: bool = False) -> float:
 
         return jax.lax.fori_loop(0, reps, body, jnp.int32(0))
 
-    return harness.time_fn(reads, u8, inner=1, trials=5, smoke=smoke) / reps
+    return timing.time_fn(reads, u8, inner=1, trials=5, smoke=smoke) / reps
 
 
 def bench(config: ConfigDict) -> list[dict]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas.fp4_decode_attention import api as attn
 from trace_jax import fp4
 
@@ -115,7 +115,7 @@ def bench_point(config: ConfigDict, shape: tuple, context: int, read_bw: float) 
             f"/stages={plan.config.num_stages}" + ("/pvT" if plan.config.pv_transposed else "")
         )
         errs[key] = rel_err(run(q, kc, vc, lengths), ref)
-        fp4_ms[key] = 1e3 * harness.time_fn(run, q, kc, vc, lengths, smoke=smoke)
+        fp4_ms[key] = 1e3 * timing.time_fn(run, q, kc, vc, lengths, smoke=smoke)
         logging.info(
             "attention %s @%d %s: %.3f ms, rel err %.1e",
             label,
@@ -126,15 +126,15 @@ def bench_point(config: ConfigDict, shape: tuple, context: int, read_bw: float) 
         )
     best_variant = min(fp4_ms, key=fp4_ms.get)
     bf16_ms = {
-        "xla einsum": 1e3 * harness.time_fn(xla_attention, q, k, v, lengths, smoke=smoke),
-        "bf16 twin": 1e3 * harness.time_fn(bf16_twin, q, k, v, lengths, smoke=smoke),
+        "xla einsum": 1e3 * timing.time_fn(xla_attention, q, k, v, lengths, smoke=smoke),
+        "bf16 twin": 1e3 * timing.time_fn(bf16_twin, q, k, v, lengths, smoke=smoke),
     }
     if config.jax_gqa_k_splits:
         from jax.experimental.pallas.ops.gpu import decode_attention as jax_da  # GPU only
 
         for ks in config.jax_gqa_k_splits:
             gqa = functools.partial(jax_da.gqa, k_splits=ks)
-            bf16_ms[f"jax gqa k_splits={ks}"] = 1e3 * harness.time_fn(
+            bf16_ms[f"jax gqa k_splits={ks}"] = 1e3 * timing.time_fn(
                 lambda q, k, v, n, f=gqa: f(q, k, v, kv_seq_len=n), q, k, v, lengths, smoke=smoke
             )
     best = min(bf16_ms, key=bf16_ms.get)

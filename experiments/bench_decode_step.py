@@ -5,7 +5,7 @@ holding `context` random tokens per sequence, and reports the time per step. Var
 quantization, XLA), FP4 with each kernel implementation of `config.implementations`, and on the
 Pallas one also compact and full guidance capture, each step's records packed into one byte row
 of a step-indexed buffer as the sampler keeps them. Every variant of a context is compiled first,
-then all are timed in `rounds` alternating rounds (`harness.time_interleaved`): the capture
+then all are timed in `rounds` alternating rounds (`timing.time_interleaved`): the capture
 overheads are a few percent, so device drift between variants must not decide their sign. A row
 has each variant's median over rounds (`<variant>_ms`), speedups and overheads as medians of
 same-round ratios, every round's times (`ms_by_round`) and the wall seconds of each part of the
@@ -24,7 +24,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from trace_jax import fp4
 from trace_jax.models import (
     KVCache,
@@ -181,8 +181,8 @@ class DecodeStepBench:
             lap(f"compile {name}")
             logging.info("decode step @%d: %s compiled and warm", ctx, name)
 
-        timing = dict(inner=config.inner, trials=config.trials, warmup=1 if config.smoke else 3)
-        per_round = harness.time_interleaved(calls, rounds=config.rounds, on_ready=ready, **timing)
+        trials = dict(inner=config.inner, trials=config.trials, warmup=1 if config.smoke else 3)
+        per_round = timing.time_interleaved(calls, rounds=config.rounds, on_ready=ready, **trials)
         lap("timing")
         ms = {k: [1e3 * t / n_steps for t in v] for k, v in per_round.items()}
         row = {
@@ -197,10 +197,10 @@ class DecodeStepBench:
             row[f"{name}_ms"] = statistics.median(values)
         for impl in self.implementations:
             no_capture = f"fp4_{impl}_no capture"
-            row[f"fp4_{impl}_speedup_vs_bf16"] = harness.paired_ratio(ms, "bf16", no_capture)
+            row[f"fp4_{impl}_speedup_vs_bf16"] = timing.paired_ratio(ms, "bf16", no_capture)
         for label in ("compact", "full"):
             base = "fp4_pallas_no capture"
-            overhead = harness.paired_ratio(ms, f"fp4_pallas_{label}", base) - 1
+            overhead = timing.paired_ratio(ms, f"fp4_pallas_{label}", base) - 1
             row[f"fp4_pallas_{label}_overhead"] = overhead
         row["ms_by_round"] = ms
         row["wall_s_by_part"] = lap.seconds

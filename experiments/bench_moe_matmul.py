@@ -9,10 +9,10 @@ Per phase (M rows routed at random to G experts, `[M, K] x [G, N, K]`), side by 
   fp4_nvfp4_act  the same with NVFP4 activations
   dense_bf16     `[M, K] x [K, N]` in bf16: the same FLOPs, the machine's matmul rate
 Each Pallas kernel runs every block config of `config.block_configs.<phase>.<kernel>` (timed with
-`harness.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
+`timing.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
 recorded with its error and skipped); the best config per kernel and the baselines are then timed
-in alternating rounds (`harness.time_interleaved`, medians over rounds), and then each inside one
-device loop of calls chained one after another (`harness.time_in_device_loop`: `loop_ms`, without
+in alternating rounds (`timing.time_interleaved`, medians over rounds), and then each inside one
+device loop of calls chained one after another (`timing.time_in_device_loop`: `loop_ms`, without
 the host's per-call dispatch, which floors the per-call times of decode-size calls; `loop_floor_ms`
 is the loop's own cost per call). Every output is checked
 against the float32 product of the same operands (the tiled form at HIGHEST precision on
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas.fp4_moe_matmul import (
     dequantize_lhs,
     dequantize_weights,
@@ -138,7 +138,7 @@ def sweep(name: str, ops: dict, ref: jax.Array, configs, *, smoke: bool):
         calls.append((fn, args))
         try:
             err = relative_error(jax.jit(fn)(*args), ref)
-            seconds = harness.time_fn(fn, *args, inner=10, trials=3, warmup=2, smoke=smoke)
+            seconds = timing.time_fn(fn, *args, inner=10, trials=3, warmup=2, smoke=smoke)
             entries.append({"config": tiling, "ms": 1e3 * seconds, "rel_err": err})
         # Any failure of one config (tiles that do not fit the shapes, Triton out of shared memory
         # or registers, a compile error) is a result of the sweep, not the end of it.
@@ -150,7 +150,7 @@ def sweep(name: str, ops: dict, ref: jax.Array, configs, *, smoke: bool):
 
 def loop_times(config: ConfigDict, calls: dict, ms: dict, x: jax.Array) -> dict[str, float]:
     """name -> ms per call of each of `calls` run back to back inside one device loop
-    (`harness.time_in_device_loop`: no host dispatch per call), about `config.loop_seconds` of
+    (`timing.time_in_device_loop`: no host dispatch per call), about `config.loop_seconds` of
     calls a loop (from the per-call `ms`), `config.loop_unroll` calls an iteration; and
     `LOOP_FLOOR` -> the loop's own cost per call (the dependency update on `x`, the bf16
     activations [M, K]). Empty when `config.loop_seconds` is 0."""
@@ -158,10 +158,10 @@ def loop_times(config: ConfigDict, calls: dict, ms: dict, x: jax.Array) -> dict[
         return {}
     unroll, smoke = config.loop_unroll, config.smoke
     out = {}
-    for name, (fn, args) in [*calls.items(), (LOOP_FLOOR, (harness.loop_floor_fn, (x,)))]:
+    for name, (fn, args) in [*calls.items(), (LOOP_FLOOR, (timing.loop_floor_fn, (x,)))]:
         per_call_s = 1e-3 * ms.get(name, min(ms.values()))
         reps = unroll * max(1, math.ceil(config.loop_seconds / per_call_s / unroll))
-        out[name] = 1e3 * harness.time_in_device_loop(fn, args, reps, unroll=unroll, smoke=smoke)
+        out[name] = 1e3 * timing.time_in_device_loop(fn, args, reps, unroll=unroll, smoke=smoke)
         logging.info("%s in a device loop of %d: %.4f ms a call", name, reps, out[name])
     return out
 
@@ -181,8 +181,8 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
             best[name], calls[name] = sweeps[name][i], sweep_calls[i]
     calls |= {name: kernel_call(name, ops) for name in ("ragged_dot", "tiled", DENSE)}
     smoke = config.smoke
-    timing = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
-    by_round = harness.time_interleaved(calls, rounds=config.rounds, **timing)
+    trials = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
+    by_round = timing.time_interleaved(calls, rounds=config.rounds, **trials)
     ms = {name: 1e3 * statistics.median(t) for name, t in by_round.items()}
     loop_ms = loop_times(config, calls, ms, ops["x"])
     flops = 2 * m * config.d_model * config.d_ff

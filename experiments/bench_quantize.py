@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas.fp4_quantize import fp4_quantize
 from trace_jax import fp4
 
@@ -47,7 +47,7 @@ def bench(config: ConfigDict, copy_bw: float) -> list[dict]:
     bytes/s (`harness.ceilings`)."""
     smoke = config.smoke
     x = jax.random.normal(jax.random.key(2), (config.rows, config.cols), jnp.bfloat16)
-    t_copy = harness.time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
+    t_copy = timing.time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
     out = []
     for fmt in map(fp4.get_format, config.formats):
         ref = jax.jit(lambda a, f=fmt: quantize(a, f, "xla"))(x)
@@ -73,10 +73,10 @@ def bench(config: ConfigDict, copy_bw: float) -> list[dict]:
             run = jax.jit(lambda a, f=fmt, kw=kw: quantize(a, f, "pallas", **kw))
             for u, v in zip(jax.tree.leaves(run(x)), jax.tree.leaves(ref), strict=True):
                 np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-            t = harness.time_fn(run, x, smoke=smoke)
+            t = timing.time_fn(run, x, smoke=smoke)
             sweep.append(row("pallas", t, launch_label(block_r, block_n, warps, loop_n)))
         out += mark_fastest(sweep)
-        t = harness.time_fn(lambda a, f=fmt: quantize(a, f, "xla"), x, smoke=smoke)
+        t = timing.time_fn(lambda a, f=fmt: quantize(a, f, "xla"), x, smoke=smoke)
         out.append(row("xla", t))
         logging.info("%s", out[-len(sweep) - 1 :])
     return out

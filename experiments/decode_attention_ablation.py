@@ -39,7 +39,7 @@ from absl import logging
 from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas.fp4_decode_attention import api
 from kernels_pallas.fp4_decode_attention import kernel as K
 from trace_jax import fp4
@@ -291,7 +291,7 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
                     if err > tol * scale:
                         raise AssertionError(f"{name} differs from the api kernel by {err}")
                 timed = functools.partial(fn, stage=stage)
-                t = harness.time_fn(timed, q, kx, vx, lengths, smoke=smoke)
+                t = timing.time_fn(timed, q, kx, vx, lengths, smoke=smoke)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 rows.append({**base, "variant": name, "error": repr(e)[:300]})
@@ -308,7 +308,7 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
             )
             prev = t if chained else None
             logging.info("%s", rows[-1])
-        t = harness.time_fn(api_bf16_twin, q, k, v, lengths, smoke=smoke)
+        t = timing.time_fn(api_bf16_twin, q, k, v, lengths, smoke=smoke)
         bf16_bytes = harness.nbytes(k, v)
         rows.append(
             {

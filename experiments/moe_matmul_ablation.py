@@ -38,8 +38,8 @@ over `config.split_k` programs (partial products summed by XLA after the kernel,
 call), and the `config.experts_per_program_variants` with each program walking
 `config.experts_per_program` experts in turn (grid (G / E, N / block_n, split_k): fewer, longer
 programs over the same bytes). Each kernel is compiled and run once, then all are timed in
-alternating rounds (`harness.time_interleaved`), then each inside one device loop of launches
-chained through the activations (`harness.time_in_device_loop`: `loop_us`, below the host's
+alternating rounds (`timing.time_interleaved`), then each inside one device loop of launches
+chained through the activations (`timing.time_in_device_loop`: `loop_us`, below the host's
 per-call dispatch floor). Per row: microseconds, the weight bytes the body
 reads (codes, plus block scales where it reads them, or bf16 weights; the activation tile and the
 output are left out: the question is what the weight path costs) and GB/s, the byte limit (those
@@ -70,7 +70,7 @@ from absl import logging
 from jax.experimental import pallas as pl
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas.common import (
     E4M3_ALIGN,
     F16_ALIGN,
@@ -479,10 +479,10 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
             continue
         ready[case] = (compiled, args)
         logging.info("compiled %s", case.label)
-    timing = dict(rounds=1, inner=1, trials=1, warmup=1) if smoke else dict(rounds=config.rounds)
+    rounds = dict(rounds=1, inner=1, trials=1, warmup=1) if smoke else dict(rounds=config.rounds)
     by_round = {}
     if ready:
-        timed = harness.time_interleaved({c.label: f for c, f in ready.items()}, **timing)
+        timed = timing.time_interleaved({c.label: f for c, f in ready.items()}, **rounds)
         by_round = {c: timed[c.label] for c in ready}
     loop_us = loop_times(config, ready, interpret)
     rows = []
@@ -517,7 +517,7 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
 
 def loop_times(config: ConfigDict, ready: dict, interpret: bool) -> dict:
     """case -> us per launch inside one device loop of launches chained through the activations
-    (`harness.time_in_device_loop`, about `config.loop_seconds` a loop, `config.loop_unroll`
+    (`timing.time_in_device_loop`, about `config.loop_seconds` a loop, `config.loop_unroll`
     launches an iteration; no host dispatch per launch), and `LOOP_FLOOR` -> the loop's own cost
     per launch. Empty when `config.loop_seconds` is 0."""
     if not config.loop_seconds or not ready:
@@ -527,11 +527,11 @@ def loop_times(config: ConfigDict, ready: dict, interpret: bool) -> dict:
     out = {}
     for case, (_, args) in ready.items():
         fn = functools.partial(run_case, case=case, interpret=interpret)
-        t = harness.time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=2, smoke=smoke)
+        t = timing.time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=2, smoke=smoke)
         out[case] = 1e6 * t
         logging.info("%s in a device loop of %d: %.1f us a launch", case.label, reps, out[case])
     x_planes = next(iter(ready.values()))[1][2]
-    floor = harness.time_in_device_loop(harness.loop_floor_fn, (x_planes,), reps, unroll=unroll)
+    floor = timing.time_in_device_loop(timing.loop_floor_fn, (x_planes,), reps, unroll=unroll)
     out[LOOP_FLOOR] = 1e6 * floor
     return out
 

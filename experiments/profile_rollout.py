@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rollout.variants import (
@@ -203,7 +203,7 @@ def profile_variant(
     run_full_length(ready, inputs, variant, new_tokens)
     compiled, top = ready["call"], config.top
     calls = {n: (compiled, (*inputs, jnp.int32(n))) for n in (new_tokens, 1)}
-    rounds = harness.time_interleaved(calls, rounds=config.repeats, inner=1, trials=1, warmup=0)
+    rounds = timing.time_interleaved(calls, rounds=config.repeats, inner=1, trials=1, warmup=0)
     slopes = [
         (a - b) / (new_tokens - 1) for a, b in zip(rounds[new_tokens], rounds[1], strict=True)
     ]

@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from kernels_pallas import common
 from kernels_pallas.fp4_quantize import api
 from kernels_pallas.fp4_quantize import kernel as K
@@ -153,7 +153,7 @@ def bench(config: ConfigDict) -> list[dict]:
     block_n = config.block_cols or api.COLUMN_TILE
     interpret = jax.default_backend() != "gpu"
     x = jax.random.normal(jax.random.key(2), (rows_n, n), jnp.bfloat16)
-    t_copy = harness.time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
+    t_copy = timing.time_fn(lambda a: a + jnp.asarray(1, a.dtype), x, smoke=smoke)
     copy_bw = 2 * harness.nbytes(x) / t_copy
     out = [{"format": "n/a", "variant": "copy of x", "ms": 1e3 * t_copy, "fraction_of_copy": 1.0}]
     for fmt in (fp4.MXFP4, fp4.NVFP4):
@@ -177,7 +177,7 @@ def bench(config: ConfigDict) -> list[dict]:
                                      (bits, scales.to_bits(want.scales))):  # fmt: skip
                         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
                 timed = functools.partial(run, stage=stage, pack=pack)
-                t = harness.time_fn(timed, x, s_g, smoke=smoke)
+                t = timing.time_fn(timed, x, s_g, smoke=smoke)
             except Exception as e:  # a body Triton cannot lower must not lose the other rows
                 logging.exception("%s failed", name)
                 out.append({"format": fmt.name, "variant": name, "error": repr(e)[:300]})
@@ -194,7 +194,7 @@ def bench(config: ConfigDict) -> list[dict]:
             )
             prev = t if pack == K.DEFAULT_PACK else None
             logging.info("%s", out[-1])
-        t = harness.time_fn(lambda a, f=fmt: api_quantize(a, f, "pallas"), x, smoke=smoke)
+        t = timing.time_fn(lambda a, f=fmt: api_quantize(a, f, "pallas"), x, smoke=smoke)
         out.append(
             {
                 "format": fmt.name,

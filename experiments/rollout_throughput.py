@@ -17,7 +17,7 @@ Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant o
 new tokens is compiled ahead of time; `generate`'s traced `new_token_limit` runs it whole (N) or as
 the prompt's prefill and the first sample (1: the decode loop runs no step). After one warm-up
 rollout per variant, both lengths of every variant are timed in `repeats` alternating rounds
-(`harness.time_interleaved`), so that a drift of the device falls on every variant alike. From the
+(`timing.time_interleaved`), so that a drift of the device falls on every variant alike. From the
 medians: tokens/s = batch * N / rollout time; `prefill_ms` = the one-token rollout;
 `decode_ms_per_step` = (rollout - one-token rollout) / (N - 1) (the slope between the two lengths,
 median of the rounds' slopes). Each entry keeps its compile seconds and `temp_gib`, XLA's
@@ -55,7 +55,7 @@ import matplotlib
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from experiments import harness
+from experiments import harness, timing
 from trace_jax.models import ModelConfig, active_param_count
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
@@ -165,8 +165,8 @@ class RolloutBench:
         rounds: dict[str, list[float]] = {}
         try:
             if calls:  # warmed up above; whole rollouts need one call per round
-                timing = dict(rounds=self.config.repeats, inner=1, trials=1, warmup=0)
-                rounds = harness.time_interleaved(calls, **timing)
+                trials = dict(rounds=self.config.repeats, inner=1, trials=1, warmup=0)
+                rounds = timing.time_interleaved(calls, **trials)
         except Exception as e:
             logging.exception("timing row %s failed", row)
             entries.update({v: {"error": first_line(e), "run": run} for v in timed})
@@ -198,7 +198,7 @@ def time_ratio(a: dict, b: dict) -> float:
     timed both (alternately), else the ratio of their medians."""
     if a["run"] == b["run"]:
         by_round = {"a": a["rollout_s_by_round"], "b": b["rollout_s_by_round"]}
-        return harness.paired_ratio(by_round, "a", "b")
+        return timing.paired_ratio(by_round, "a", "b")
     return a["rollout_s"] / b["rollout_s"]
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from configs import bandwidth_ceilings as config_module
 from experiments import bandwidth_ceilings as bw
-from experiments import harness
+from experiments import harness, timing
 
 
 def test_rows_derive_from_the_measured_bandwidth(monkeypatch):
@@ -61,7 +61,7 @@ def test_the_device_loop_reads_fresh_bytes_every_pass(monkeypatch, smoke):
         calls.append((fn, args))
         return 0.5
 
-    monkeypatch.setattr(harness, "time_fn", fake_time_fn)
+    monkeypatch.setattr(timing, "time_fn", fake_time_fn)
     n = 4096
     reps = 2 if smoke else bw.LOOP_BYTES // n
     assert bw.loop_read_seconds(n, smoke=smoke) == 0.5 / reps

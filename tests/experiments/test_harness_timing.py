@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import harness
+from experiments import timing
 
 
 def _recording(name: str, log: list[str]):
@@ -25,7 +25,7 @@ def test_time_interleaved_warms_up_then_rotates_the_order_each_round():
     ready: list[str] = []
     x = jnp.ones((4,))
     calls = {n: (_recording(n, log), (x,)) for n in "abc"}
-    out = harness.time_interleaved(
+    out = timing.time_interleaved(
         calls, rounds=4, inner=2, trials=1, warmup=1, on_ready=ready.append
     )
     assert ready == ["a", "b", "c"]
@@ -34,22 +34,22 @@ def test_time_interleaved_warms_up_then_rotates_the_order_each_round():
     timed = "".join(log[3:])  # after one warm-up call each
     assert timed == "aabbcc" + "bbccaa" + "ccaabb" + "aabbcc"
     with pytest.raises(ValueError, match="at least one round"):
-        harness.time_interleaved(calls, rounds=0)
+        timing.time_interleaved(calls, rounds=0)
 
 
 def test_paired_ratio_is_the_median_of_same_round_ratios():
     by_round = {"a": [2.0, 4.0, 9.0], "b": [1.0, 1.0, 3.0]}
     # same-round ratios 2, 4, 3 -> 3; the ratio of medians would be 4 / 1 = 4
-    assert harness.paired_ratio(by_round, "a", "b") == 3.0
+    assert timing.paired_ratio(by_round, "a", "b") == 3.0
 
 
 def test_time_fn_smoke_runs_one_warm_up_and_one_timed_call():
     log: list[str] = []
-    t = harness.time_fn(_recording("a", log), jnp.ones((4,)), smoke=True)
+    t = timing.time_fn(_recording("a", log), jnp.ones((4,)), smoke=True)
     jax.effects_barrier()
     assert t > 0 and log == ["a", "a"]
     log.clear()
-    harness.time_fn(_recording("a", log), jnp.ones((4,)), inner=2, trials=3, warmup=1)
+    timing.time_fn(_recording("a", log), jnp.ones((4,)), inner=2, trials=3, warmup=1)
     jax.effects_barrier()
     assert len(log) == 1 + 2 * 3
 
@@ -63,7 +63,7 @@ def test_chained_loop_runs_every_call_in_turn_and_carries_the_output_into_the_ne
         jax.debug.callback(lambda: log.append("call"), ordered=True)
         return inputs["a"].astype(jnp.float32) @ (scale * w)
 
-    loop = jax.jit(harness.chained_loop(fn, (1.0, x), 6, unroll=3, carry_arg=1))
+    loop = jax.jit(timing.chained_loop(fn, (1.0, x), 6, unroll=3, carry_arg=1))
     a, codes = loop(1.0, *jax.tree.leaves(x))
     jax.effects_barrier()
     assert log == ["call"] * 6
@@ -76,9 +76,9 @@ def test_chained_loop_runs_every_call_in_turn_and_carries_the_output_into_the_ne
     assert np.isnan(a[0, 0]) and not np.isnan(a.reshape(-1)[1:]).any()
     for bad in ({"reps": 5, "unroll": 2}, {"reps": 0, "unroll": 1}, {"reps": 4, "unroll": 0}):
         with pytest.raises(ValueError, match="positive multiple of unroll"):
-            harness.chained_loop(fn, (1.0, x), **bad)
+            timing.chained_loop(fn, (1.0, x), **bad)
     with pytest.raises(ValueError, match="carry_arg 2 is not one of the 2 arguments"):
-        harness.chained_loop(fn, (1.0, x), 2, carry_arg=2)
+        timing.chained_loop(fn, (1.0, x), 2, carry_arg=2)
 
 
 def test_time_in_device_loop_divides_one_loop_by_its_calls(monkeypatch):
@@ -88,9 +88,9 @@ def test_time_in_device_loop_divides_one_loop_by_its_calls(monkeypatch):
         timed.append((len(args), kwargs))
         return 0.5
 
-    monkeypatch.setattr(harness, "time_fn", fake_time_fn)
+    monkeypatch.setattr(timing, "time_fn", fake_time_fn)
     x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
-    t = harness.time_in_device_loop(lambda a, b: a @ b, (x, w), 10, unroll=5, trials=3)
+    t = timing.time_in_device_loop(lambda a, b: a @ b, (x, w), 10, unroll=5, trials=3)
     assert t == 0.05 and timed == [(2, {"inner": 1, "trials": 3, "warmup": 1, "smoke": False})]
-    out = harness.loop_floor_fn({"p": jnp.full((2, 2), 3, jnp.uint8)})
+    out = timing.loop_floor_fn({"p": jnp.full((2, 2), 3, jnp.uint8)})
     assert out.dtype == jnp.float32 and out.tolist() == [3.0]

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from configs import rollout_throughput as config_module
-from experiments import harness, rollout_throughput
+from experiments import rollout_throughput, timing
 from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, abstract_model, init_model
 from trace_jax.quant import SiteMode
@@ -53,13 +53,13 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
             return generate.lower(*args, **kw)
 
     monkeypatch.setattr(variants, "generate", Generate())
-    limits, time_interleaved = {}, harness.time_interleaved
+    limits, time_interleaved = {}, timing.time_interleaved
 
     def timed(calls, **kw):  # the token limit each timed call passes to its compiled rollout
         limits.update({name: int(args[-1]) for name, (_, args) in calls.items()})
         return time_interleaved(calls, **kw)
 
-    monkeypatch.setattr(harness, "time_interleaved", timed)
+    monkeypatch.setattr(timing, "time_interleaved", timed)
     records = rollout_throughput.run(config, outdir=str(tmp_path), name="rt")
 
     assert lowered == [(SiteMode.OFF, 3, 3), (SiteMode.RTN, 3, 3)]  # bf16, fp4: N = 3 new tokens
@@ -360,9 +360,9 @@ def test_bad_settings_are_refused_before_any_work(override, message, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_harness_times_compiled_calls_as_they_are():
+def test_timing_times_compiled_calls_as_they_are():
     compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
-    rounds = harness.time_interleaved({"c": (compiled, (jnp.ones(3),))}, rounds=2, warmup=0)
+    rounds = timing.time_interleaved({"c": (compiled, (jnp.ones(3),))}, rounds=2, warmup=0)
     assert len(rounds["c"]) == 2 and all(t > 0 for t in rounds["c"])
 
 
