@@ -59,6 +59,8 @@ def test_jobs_are_the_unfinished_pairs_and_pick_one_seed(tmp_path):
     labels = tables[0][1].labels
     assert names[: len(labels)] == [f"table1_nvfp4/{label}/seed0" for label in labels]
     assert names[len(labels)] == f"table1_nvfp4/{labels[0]}/seed1"
+    shared = queue.share_identical_runs([t for _, t in tables], str(tmp_path), jobs)
+    assert [j.name for j in shared] == names  # no identical runs here: the same jobs, in order
     job = next(j for j in jobs if j.name == "table1_nvfp4/trace/seed2")
     cmd = job.command("/r", "experiments.paper_table", ["--config.rl.steps=4"])
     assert cmd[1:3] == ["-m", "experiments.paper_table"] and cmd[-1] == "--config.rl.steps=4"

@@ -159,13 +159,14 @@ def run_identity(table: Table, label: str, seed: int) -> str:
 def share_identical_runs(tables: Sequence[Table], root: str, jobs: Sequence[Job]) -> list[Job]:
     """Marks each pending job that trains what an earlier (table, run, seed) trains
     (`run_identity`) as the same as that one: its logs are copied once the first finishes
-    (at once if it finished in an earlier invocation). Returns the jobs left."""
+    (at once if it finished in an earlier invocation). Returns the jobs left, in
+    `pending_jobs`' order (seed by seed within a table)."""
     first: dict[str, tuple[str, str]] = {}  # identity -> (job name, run dir)
     pending = {j.name: j for j in jobs}
     out = []
     for table in tables:
-        for label in table.labels:
-            for k, seed in enumerate(table.seeds):
+        for k, seed in enumerate(table.seeds):
+            for label in table.labels:
                 job = Job("", table.name, label, seed, k, len(table.seeds))
                 name, here = job.name, job.run_dir(root)
                 key = run_identity(table, label, seed)
