@@ -1,19 +1,15 @@
 #!/bin/bash
 # After a queue (`AFTER=scripts/detached_jobs/after_moe_loops.sh`), on the idle GPU: the grouped
-# expert matmul at its default tiles and the FP4 decode ablation's load, float16-decode and bf16
-# bodies, each kernel timed per call and inside one device loop (`loop_ms` / `loop_us`: below
-# the host's per-call dispatch floor). Each under a hard time limit, results into $JOBS/out.
+# expert matmul at its default tiles (the FP4 kernel also with `weights_left`) and the FP4 decode
+# ablation's load, float16-decode and bf16 bodies (the latter two also with the weights as the
+# dots' left operand), each kernel timed per call and inside one device loop (`loop_ms` /
+# `loop_us`: below the host's per-call dispatch floor). Each under a hard time limit, results into $JOBS/out.
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
 cd "$JOBS/repo" || exit 1
-run() {  # run <seconds> <log name> <python -m args...>
-  local limit=$1 log=$2; shift 2
-  echo "$(date -u +%T) $log"
-  timeout "$limit" $PY -m "$@" > "$JOBS/out/$log.log" 2>&1
-  echo "$log rc=$?"
-}
 run 240 kernels_moe_matmul experiments.bench_moe_matmul \
   --config=configs/bench_moe_matmul.py:default_tiles --outdir="$JOBS/out"
 run 240 moe_matmul_ablation_loop experiments.moe_matmul_ablation \
-  --config.variants="('stream','f16asm','bf16w')" --config.no_hints="()" --config.split_k="()" \
+  --config.variants="('stream','f16asm','f16asm_wl','bf16w','bf16w_wl')" \
+  --config.no_hints="()" --config.split_k="()" --config.experts_per_program="()" \
   --name=moe_matmul_ablation_loop --outdir="$JOBS/out"

@@ -6,12 +6,6 @@
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
 cd "$JOBS/repo" || exit 1
-run() {  # run <seconds> <log name> <python -m args...>
-  local limit=$1 log=$2; shift 2
-  echo "$(date -u +%T) $log"
-  timeout "$limit" $PY -m "$@" > "$JOBS/out/$log.log" 2>&1
-  echo "$log rc=$?"
-}
 sft=$(find "$JOBS/tables" -name sft_checkpoint -type d | head -n 1)
 [ -n "$sft" ] || { echo "no SFT checkpoint under $JOBS/tables"; exit 1; }
 run 540 guided_layer_study experiments.guided_layer_study \
