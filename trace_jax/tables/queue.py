@@ -200,10 +200,10 @@ def copy_run(src: str, dst: str) -> None:
 def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
     """Copies the runs finished earlier (`<done_from>/<table name>/<label>/seed<k>`, e.g.
     `experiments/results/runs`) into `root`, so their jobs do not run again; returns the run
-    directories adopted. Each gets `ADOPTED_NOTE` naming its source: an adopted run started from
-    the SFT stage of the machine that trained it, and GPU reductions make that stage differ from
-    one machine to the next (the SFT evaluation differs by a point or more), so a comparison
-    that must share one start runs every method in one hold."""
+    directories adopted. Each gets `ADOPTED_NOTE` naming its source. An adopted run started from
+    the SFT stage of the invocation that trained it (another machine's, as a rule), which need
+    not be this one's: `check_adopted_starts` keeps it only where the two stages' fingerprints
+    are equal."""
     src_workdir = os.path.join(done_from, table.name)
     adopted = []
     for label in table.labels:
@@ -214,8 +214,8 @@ def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
                 shutil.copytree(src, dst)
                 with open(os.path.join(dst, ADOPTED_NOTE), "w") as f:
                     f.write(
-                        f"{os.path.abspath(src)}\nfinished on another machine, from that "
-                        "machine's SFT stage (not this one's)\n"
+                        f"{os.path.abspath(src)}\nfinished in an earlier invocation, from its "
+                        "SFT stage (kept where that stage's fingerprint is this one's)\n"
                     )
                 adopted.append(dst)
     return adopted
