@@ -25,7 +25,6 @@ entry. Launch commands: configs/bench_moe_matmul.py.
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 
 import jax
@@ -47,7 +46,6 @@ from trace_jax.models.grouped_matmul import tiled_ragged_dot
 SWEPT = ("pallas_bf16", "fp4_bf16_act", "fp4_nvfp4_act")
 KERNELS = ("ragged_dot", "tiled", *SWEPT)
 DENSE = "dense_bf16"
-LOOP_FLOOR = "loop_floor"
 COLUMNS = ["phase", "M", "kernel", "ms", "tflops", "frac_of_dense", "byte_limit_ms"]
 COLUMNS += ["byte_limit_ratio", "loop_ms", "loop_byte_limit_ratio", "vs_ragged_dot", "rel_err"]
 COLUMNS += ["block_config"]
@@ -148,24 +146,6 @@ def sweep(name: str, ops: dict, ref: jax.Array, configs, *, smoke: bool):
     return entries, calls
 
 
-def loop_times(config: ConfigDict, calls: dict, ms: dict, x: jax.Array) -> dict[str, float]:
-    """name -> ms per call of each of `calls` run back to back inside one device loop
-    (`timing.time_in_device_loop`: no host dispatch per call), about `config.loop_seconds` of
-    calls a loop (from the per-call `ms`), `config.loop_unroll` calls an iteration; and
-    `LOOP_FLOOR` -> the loop's own cost per call (the dependency update on `x`, the bf16
-    activations [M, K]). Empty when `config.loop_seconds` is 0."""
-    if not config.loop_seconds:
-        return {}
-    unroll, smoke = config.loop_unroll, config.smoke
-    out = {}
-    for name, (fn, args) in [*calls.items(), (LOOP_FLOOR, (timing.loop_floor_fn, (x,)))]:
-        per_call_s = 1e-3 * ms.get(name, min(ms.values()))
-        reps = unroll * max(1, math.ceil(config.loop_seconds / per_call_s / unroll))
-        out[name] = 1e3 * timing.time_in_device_loop(fn, args, reps, unroll=unroll, smoke=smoke)
-        logging.info("%s in a device loop of %d: %.4f ms a call", name, reps, out[name])
-    return out
-
-
 def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
     """(rows, sweeps) of one phase: a row per kernel and the dense matmul; the sweep entries."""
     ops = operands(config, m)
@@ -184,7 +164,14 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
     trials = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
     by_round = timing.time_interleaved(calls, rounds=config.rounds, **trials)
     ms = {name: 1e3 * statistics.median(t) for name, t in by_round.items()}
-    loop_ms = loop_times(config, calls, ms, ops["x"])
+    loop_ms = {}
+    if config.loop_seconds:  # the same calls without the host's dispatch per call
+        per_call_s = {name: 1e-3 * t for name, t in ms.items()}
+        loop_s = timing.device_loop_times(
+            calls, ops["x"], loop_seconds=config.loop_seconds, unroll=config.loop_unroll,
+            per_call_s=per_call_s, smoke=config.smoke,
+        )  # fmt: skip
+        loop_ms = {name: 1e3 * t for name, t in loop_s.items()}
     flops = 2 * m * config.d_model * config.d_ff
     dense_tflops = flops / ms[DENSE] / 1e9
     rows = []
@@ -209,7 +196,7 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
         if loop_ms:
             row["loop_ms"] = loop_ms[name]
             row["loop_byte_limit_ratio"] = loop_ms[name] / row["byte_limit_ms"]
-            row["loop_floor_ms"] = loop_ms[LOOP_FLOOR]
+            row["loop_floor_ms"] = loop_ms[timing.LOOP_FLOOR]
         if name in SWEPT:
             row["rel_err"] = best[name]["rel_err"]
         elif name != DENSE:

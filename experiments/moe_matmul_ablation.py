@@ -1,66 +1,49 @@
 r"""Where the FP4 MoE grouped matmul's decode time goes: kernel bodies cut down stage by stage.
 
-At decode a grouped expert matmul has a few rows per expert, so it should cost what reading the
-active experts' weights costs. Nsight Compute does not run under JAX on the device machine, so
-the split comes from timing cut-down kernels side by side. Every variant is a body of ONE launch
-(`run_case`): grid (G, N / block_n, split_k), program (g, j, s) multiplies expert g's 16-row
-activation tile (a decode step's rows of one expert, padded to the tensor cores' smallest tile) by
-column tile j of that expert's weights over its K range in `block_k` steps, into a float32
-`[16, block_n]` accumulator that is multiplied by a per-expert factor at the end (the NVFP4
-global scale and the decode's power of two). Weights are NVFP4, random, at the Qwen3-30B-A3B
-expert shape (configs/moe_matmul_ablation.py). The bodies (`VARIANTS`), each adding a stage to
-the one before it:
+At decode a grouped expert matmul should cost what reading the active experts' weights costs;
+Nsight Compute does not run under JAX on the device machine, so cut-down kernels are timed side
+by side. Every variant is a body of ONE launch (`run_case`): program (g, j, s) of grid (G,
+N / block_n, split_k) multiplies expert g's 16-row activation tile (a decode step's rows of one
+expert, padded to the smallest dot tile) by column tile j of its weights over its K range in
+`block_k` steps into a float32 `[16, block_n]` accumulator, times a per-expert factor at the end.
+NVFP4 random weights at the Qwen3-30B-A3B expert shape. The bodies (`VARIANTS`), each adding a
+stage to the one before:
 
-  stream    loads the packed weight bytes (uint8 `[block_n, block_k / 2]`) and sums them: the
-            loads alone;
-  decode    + the two nibble planes as E4M3 -> bf16 (`common.fp4_planes_as_e4m3`: two bit
-            operations per byte and the hardware convert), summed;
-  dot       + the two bf16 tensor-core dots with the even and odd activation columns (no scales);
-  full      + the block scales (E4M3 bits -> bf16 by the hardware convert, times the planes): the
-            product;
+  stream    the packed weight bytes (uint8 `[block_n, block_k / 2]`) loaded and summed;
+  decode    + the nibble planes as E4M3 -> bf16 (`common.fp4_planes_as_e4m3`), summed;
+  dot       + the two bf16 dots with the even and odd activation columns (no scales);
+  full      + the block scales (E4M3 -> bf16, times the planes): the product;
   f16       `full` with the float16 decode (`common.fp4_planes_as_f16`: shifts and masks, no
-            convert instruction), float16 scales, activations and dots;
-  f16asm    `f16` with the decode in inline PTX on whole 32-bit words (interpret mode runs the
-            jnp form, its test reference; the Triton lowering test lowers the PTX);
-  stream32  `stream` over the same bytes loaded as uint32 words `[block_n, block_k / 8]`;
+            convert), float16 scales, activations and dots;
+  f16asm    `f16` with the decode in inline PTX on 32-bit words (interpret mode: the jnp form);
+  stream32  `stream` over the same bytes as uint32 words `[block_n, block_k / 8]`;
   full32    `full` from uint32 words: eight nibble planes, eight dots of block_k / 8 each;
-  bf16w     bf16 weights `[G, N, K]` and one dot per step: what a bf16 grouped matmul costs (the
-            twin every FP4 row is compared with).
-  f16asm_wl, bf16w_wl
-            `f16asm` and `bf16w` with the weights as the dots' left operand (the accumulator
-            `[block_n, rows]`, transposed once at the end): Hopper's wgmma takes its left
-            operand from registers and its right one from shared memory, so decoded weights on
-            the right go back through shared memory before the tensor cores read them.
+  bf16w     bf16 weights `[G, N, K]`, one dot a step: the twin every FP4 row is set against;
+  f16asm_wl, bf16w_wl  `f16asm`, `bf16w` with the weights as the dots' left operand (accumulator
+            `[block_n, rows]`): Hopper's wgmma reads its left operand from registers, its right
+            one from shared memory, where decoded right-hand weights must go first.
 
-Every variant runs every block config with the K offsets hinted aligned (`pl.multiple_of`); the
-`config.no_hints` variants again without the hints, and the `config.split_k_variants` with K split
-over `config.split_k` programs (partial products summed by XLA after the kernel, inside the timed
-call), and the `config.experts_per_program_variants` with each program walking
-`config.experts_per_program` experts in turn (grid (G / E, N / block_n, split_k): fewer, longer
-programs over the same bytes). Each kernel is compiled and run once, then all are timed in
-alternating rounds (`timing.time_interleaved`), then each inside one device loop of launches
-chained through the activations (`timing.time_in_device_loop`: `loop_us`, below the host's
-per-call dispatch floor). Per row: microseconds, the weight bytes the body
-reads (codes, plus block scales where it reads them, or bf16 weights; the activation tile and the
-output are left out: the question is what the weight path costs) and GB/s, the byte limit (those
-bytes at the read bandwidth measured in the same run, `harness.ceilings`) and the ratio to it, and
-the time over the bf16 twin's (same block config and K split, with hints), as the median of the
-per-round ratios. Each variant that computes the product (full, f16, f16asm, full32) is checked
-against the float32 XLA reference of the op
-(`kernels_pallas.fp4_moe_matmul.reference.fp4_moe_matmul_reference`) on the same packed weights: its
-relative error is in the row, and one over `REL_TOL` makes the row an error, untimed. Below the
-table: each variant's fastest row (`best_by_variant`).
+Every variant runs every block config with the K offsets hinted aligned (`pl.multiple_of`);
+`config.no_hints` variants again without hints, `config.split_k_variants` with K split over
+`config.split_k` programs (partial sums added by XLA inside the timed call), and
+`config.experts_per_program_variants` with each program walking `config.experts_per_program`
+experts in turn. Each kernel is compiled and run once, timed in alternating rounds
+(`timing.time_interleaved`), then inside one device loop of launches chained through the
+activations (`timing.device_loop_times`: `loop_us`, below the host's per-call dispatch floor).
+Per row: microseconds, the weight bytes the body reads (codes, plus block scales where read, or
+bf16 weights) and GB/s, the byte limit at the read bandwidth measured in the run
+(`harness.ceilings`) and the ratio to it, and the time over the bf16 twin's (same block and
+split; median of per-round ratios). Each product variant is checked against the op's float32
+reference (`fp4_moe_matmul_reference`) on the same packed weights; a relative error over
+`REL_TOL` makes the row an error, untimed. Below the table: each variant's fastest row.
 
-What the H200 runs show, and what each expectation was: docs/kernels.md (fp4_moe_matmul).
-
-Writes `<outdir>/<name>.{md,json}` (default `moe_matmul_ablation`).
+Writes `<outdir>/<name>.{md,json}`. What the H200 runs show: docs/kernels.md (fp4_moe_matmul).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import statistics
 from collections.abc import Callable
 
@@ -94,8 +77,7 @@ WEIGHT_LAYOUTS = {"u8": 2, "u32": 8, "bf16": 1}
 # accumulate in float32 (summation order only); any decode error is of order 1.
 REL_TOL = 1e-4
 BF16_TWIN = "bf16w"
-LOOP_FLOOR = "loop_floor"
-LOOP_CALL_S = 50e-6  # a decode-size launch, to size the device loops (`loop_times`)
+LOOP_CALL_S = 50e-6  # a decode-size launch, to size the device loops
 COLUMNS = ["variant", "hints", "split_k", "block", "us", "GBps", "bytes", "limit_us", "x_limit"]
 COLUMNS += ["vs_bf16w", "loop_us", "loop_x_limit", "rel_err"]
 
@@ -469,10 +451,8 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
             if variant.product:
                 rel_errs[case] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
                 if not rel_errs[case] <= REL_TOL:  # NaN fails too
-                    raise AssertionError(
-                        f"{case.label} differs from the reference by relative error "
-                        f"{rel_errs[case]:.3g} (expected <= {REL_TOL})"
-                    )
+                    err = f"relative error {rel_errs[case]:.3g} (expected <= {REL_TOL})"
+                    raise AssertionError(f"{case.label} differs from the reference by {err}")
         except Exception as e:  # a body Triton cannot lower must not lose the other rows
             logging.exception("%s failed", case.label)
             errors[case] = repr(e)[:300]
@@ -480,11 +460,19 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
         ready[case] = (compiled, args)
         logging.info("compiled %s", case.label)
     rounds = dict(rounds=1, inner=1, trials=1, warmup=1) if smoke else dict(rounds=config.rounds)
-    by_round = {}
-    if ready:
-        timed = timing.time_interleaved({c.label: f for c, f in ready.items()}, **rounds)
-        by_round = {c: timed[c.label] for c in ready}
-    loop_us = loop_times(config, ready, interpret)
+    labelled = {c.label: f for c, f in ready.items()}
+    timed = timing.time_interleaved(labelled, **rounds) if ready else {}
+    by_round = {c: timed[c.label] for c in ready}
+    loop_us = {}
+    if config.loop_seconds and ready:  # each launch again, chained through the activations
+        calls = {c: (functools.partial(run_case, case=c, interpret=interpret), a)
+                 for c, (_, a) in ready.items()}  # fmt: skip
+        loop_s = timing.device_loop_times(  # the floor carries the activation planes
+            calls, next(iter(calls.values()))[1][2], loop_seconds=config.loop_seconds,
+            unroll=config.loop_unroll,
+            per_call_s=LOOP_CALL_S, carry_arg=2, smoke=smoke,
+        )  # fmt: skip
+        loop_us = {c: 1e6 * t for c, t in loop_s.items()}
     rows = []
     for case in todo:
         row = {**dataclasses.asdict(case), "block": case.block}
@@ -493,13 +481,9 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
             continue
         t = statistics.median(by_round[case])
         nbytes = ops.bytes_read(VARIANTS[case.variant])
-        row |= {
-            "us": 1e6 * t,
-            "GBps": nbytes / t / 1e9,
-            "bytes": nbytes,
-            "limit_us": 1e6 * nbytes / ceil["read_bw"],
-            "x_limit": t * ceil["read_bw"] / nbytes,
-        }
+        limit_s = nbytes / ceil["read_bw"]
+        row |= {"us": 1e6 * t, "GBps": nbytes / t / 1e9, "bytes": nbytes}
+        row |= {"limit_us": 1e6 * limit_s, "x_limit": t / limit_s}
         if case.variant != BF16_TWIN and case.twin() in by_round:
             pairs = zip(by_round[case], by_round[case.twin()], strict=True)
             row["vs_bf16w"] = statistics.median(a / b for a, b in pairs)
@@ -511,29 +495,8 @@ def bench(config: ConfigDict) -> tuple[list[dict], dict]:
         rows.append(row)
         logging.info("%s", row)
     if loop_us:
-        ceil = {**ceil, "loop_floor_us": loop_us[LOOP_FLOOR]}
+        ceil = {**ceil, "loop_floor_us": loop_us[timing.LOOP_FLOOR]}
     return rows, ceil
-
-
-def loop_times(config: ConfigDict, ready: dict, interpret: bool) -> dict:
-    """case -> us per launch inside one device loop of launches chained through the activations
-    (`timing.time_in_device_loop`, about `config.loop_seconds` a loop, `config.loop_unroll`
-    launches an iteration; no host dispatch per launch), and `LOOP_FLOOR` -> the loop's own cost
-    per launch. Empty when `config.loop_seconds` is 0."""
-    if not config.loop_seconds or not ready:
-        return {}
-    unroll, smoke = config.loop_unroll, config.smoke
-    reps = unroll * max(1, math.ceil(config.loop_seconds / LOOP_CALL_S / unroll))
-    out = {}
-    for case, (_, args) in ready.items():
-        fn = functools.partial(run_case, case=case, interpret=interpret)
-        t = timing.time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=2, smoke=smoke)
-        out[case] = 1e6 * t
-        logging.info("%s in a device loop of %d: %.1f us a launch", case.label, reps, out[case])
-    x_planes = next(iter(ready.values()))[1][2]
-    floor = timing.time_in_device_loop(timing.loop_floor_fn, (x_planes,), reps, unroll=unroll)
-    out[LOOP_FLOOR] = 1e6 * floor
-    return out
 
 
 def best_by_variant(rows: list[dict]) -> list[dict]:
@@ -567,15 +530,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         title="FP4 MoE grouped matmul at decode, cut down to kernel bodies",
         notes=(
             f"G{config.experts} K{config.d_model} N{config.d_ff}, {config.rows_per_expert} rows "
-            f"per expert, {FORMAT.name} weights. Each row is one body over the shared launch "
-            "(module docstring of `experiments/moe_matmul_ablation.py`); `bytes`: the weight "
-            "bytes it reads; `limit_us`: those bytes at the read ceiling, "
-            f"{ceil['read_bw'] / 1e9:.0f} GB/s measured in this run; `x_limit`: us / limit_us; "
-            "`vs_bf16w`: time over the bf16-weights twin's (same block and split, median of "
-            "per-round ratios); `loop_us`: one launch inside a device loop of launches "
-            "chained through the activations (no host dispatch per launch; includes the loop's "
-            "own cost, `loop_floor_us` in the JSON's ceilings), `loop_x_limit`: loop_us / "
-            "limit_us; `rel_err`: the product against the XLA reference."
+            f"per expert, {FORMAT.name} weights; one body per row (module docstring). `bytes`: "
+            f"weight bytes read; `limit_us`: at {ceil['read_bw'] / 1e9:.0f} GB/s (this run); "
+            "`x_limit`: us / limit_us; `vs_bf16w`: over the bf16 twin (median of per-round "
+            "ratios); `loop_us`: inside a device loop (no host dispatch; the loop's own cost, "
+            "`loop_floor_us`, in the JSON's ceilings); `rel_err`: against the XLA reference."
             + (harness.SMOKE_NOTE if config.smoke else "")
             + "\n\nEach variant's fastest row:\n\n"
             + harness.markdown_table(best, best_cols)

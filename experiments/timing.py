@@ -12,12 +12,16 @@ dispatch floor (`loop_floor_fn` gives the loop's own cost per call).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+
+# `device_loop_times`' key of the loop's own cost per call.
+LOOP_FLOOR = "loop_floor"
 
 
 def _median_trial(f: Callable, args: tuple, inner: int, trials: int) -> float:
@@ -145,3 +149,28 @@ def paired_ratio(by_round: dict[str, list[float]], num: str, den: str) -> float:
     (`time_interleaved`'s output)."""
     pairs = zip(by_round[num], by_round[den], strict=True)
     return statistics.median(x / y for x, y in pairs)
+
+
+def device_loop_times(
+    calls: Mapping,
+    floor_arg,
+    *,
+    loop_seconds: float,
+    unroll: int,
+    per_call_s: Mapping | float,
+    carry_arg: int = 0,
+    smoke: bool = False,
+) -> dict:
+    """key -> seconds per call of each `calls[key] = (fn, args)` inside one device loop
+    (`time_in_device_loop`, argument `carry_arg` carried, `unroll` calls an iteration), each
+    loop about `loop_seconds` of calls as sized by `per_call_s` (key -> an estimate of its
+    per-call seconds, the smallest for a key it lacks; or one estimate for all); and
+    `LOOP_FLOOR` -> the loop's own cost per call, with `floor_arg` carried."""
+    estimates = per_call_s if isinstance(per_call_s, Mapping) else {}
+    out = {}
+    for key, (fn, args) in [*calls.items(), (LOOP_FLOOR, (loop_floor_fn, (floor_arg,)))]:
+        est = estimates.get(key, min(estimates.values())) if estimates else per_call_s
+        reps = unroll * max(1, math.ceil(loop_seconds / est / unroll))
+        carry = 0 if key == LOOP_FLOOR else carry_arg
+        out[key] = time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=carry, smoke=smoke)
+    return out

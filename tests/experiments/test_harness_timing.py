@@ -94,3 +94,26 @@ def test_time_in_device_loop_divides_one_loop_by_its_calls(monkeypatch):
     assert t == 0.05 and timed == [(2, {"inner": 1, "trials": 3, "warmup": 1, "smoke": False})]
     out = timing.loop_floor_fn({"p": jnp.full((2, 2), 3, jnp.uint8)})
     assert out.dtype == jnp.float32 and out.tolist() == [3.0]
+
+
+def test_device_loop_times_sizes_each_loop_and_adds_the_floor(monkeypatch):
+    timed = {}
+
+    def fake(fn, args, reps, *, unroll, carry_arg, smoke):
+        key = "floor" if fn is timing.loop_floor_fn else args[0]
+        timed[key] = (reps, unroll, carry_arg, smoke)
+        return 1.0 / reps
+
+    monkeypatch.setattr(timing, "time_in_device_loop", fake)
+    calls = {"fast": (None, ("fast", 0)), "slow": (None, ("slow", 0))}
+    out = timing.device_loop_times(
+        calls, "x", loop_seconds=1.0, unroll=4, per_call_s={"fast": 0.01, "slow": 0.3},
+        carry_arg=1,
+    )  # fmt: skip
+    # About a second of calls a loop, whole iterations of 4; the floor sized as the fastest call.
+    assert timed == {
+        "fast": (100, 4, 1, False), "slow": (4, 4, 1, False), "floor": (100, 4, 0, False),
+    }  # fmt: skip
+    assert out == {"fast": 0.01, "slow": 0.25, timing.LOOP_FLOOR: 0.01}
+    one = timing.device_loop_times(calls, "x", loop_seconds=1.0, unroll=2, per_call_s=0.5)
+    assert set(one) == {"fast", "slow", timing.LOOP_FLOOR} and timed["slow"][0] == 2
