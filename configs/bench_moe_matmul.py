@@ -1,7 +1,8 @@
 r"""Grouped expert matmul sweep at decode and prefill sizes (experiments/bench_moe_matmul.py):
 bf16 `ragged_dot`, the tiled XLA form, the bf16 Pallas kernel and the FP4 Pallas kernel (bf16 and
-NVFP4 activations), each Pallas kernel over its block configs, against a dense bf16 matmul of the
-same FLOPs and the read bandwidth measured in the same run.
+NVFP4 activations; weights decoded in the kernel, or before the call), each Pallas kernel over
+its block configs, against a dense bf16 matmul of the same FLOPs and the read bandwidth measured
+in the same run.
 
 python -m experiments.bench_moe_matmul                                        # on the H200
 python -m experiments.bench_moe_matmul --config.phases="(('prefill', 65536),)"
@@ -12,7 +13,8 @@ python -m experiments.bench_moe_matmul --config=configs/bench_moe_matmul.py:smok
 `block_configs.<phase>.<kernel>`: a tuple of dicts of the kernel's tiling keywords (block_m,
 block_n, block_k, num_warps, num_stages; the FP4 kernel also `grid`), `{}` being the kernel's
 `default_block_config` for the shape, `{"weights_left": True}` the defaults with the decoded FP4
-weights as the dots' left operand. The first entries are the defaults and their neighbours;
+weights as the dots' left operand; the `*_predecoded` kernels (weights decoded before the call)
+take the bf16 kernel's tiles. The first entries are the defaults and their neighbours;
 each list is about ten compiles, so the sweep takes a few minutes on the H200. `default_tiles`:
 each Pallas kernel at its default tiles only (the FP4 kernel also with `weights_left`), at decode
 and the large prefill (a re-measure after a kernel change).
@@ -127,6 +129,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             "pallas_bf16": ({}, *(_bf16(*t) for t in BF16_SWEEP[phase])),
             "fp4_bf16_act": ({}, *(_fp4(*t) for t in FP4_SWEEP[phase])),
             "fp4_nvfp4_act": ({}, *(_fp4(*t) for t in FP4_SWEEP[phase])),
+            # The weights decoded before the call: the bf16 kernel's grid and tiles.
+            **{
+                f"{kernel}_predecoded": ({}, *(_bf16(*t) for t in BF16_SWEEP[phase]))
+                for kernel in ("fp4_bf16_act", "fp4_nvfp4_act")
+            },
         }
         for phase in BF16_SWEEP
     }
@@ -152,18 +159,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 "pallas_bf16": (bf16, failing),
                 "fp4_bf16_act": ({}, WEIGHTS_LEFT),
                 "fp4_nvfp4_act": (row_tiles,),
+                "fp4_bf16_act_predecoded": ({},),
+                "fp4_nvfp4_act_predecoded": ({"block_m": 16},),
             },
             "prefill": {
                 "pallas_bf16": (failing,),
                 "fp4_bf16_act": (row_tiles,),
                 "fp4_nvfp4_act": ({},),
+                "fp4_bf16_act_predecoded": ({},),
+                "fp4_nvfp4_act_predecoded": ({},),
             },
         }
     elif arg == "default_tiles":
         phases = ("decode", "prefill")
         c.phases = tuple(p for p in c.phases if p[0] in phases)
         c.block_configs = {
-            p: {k: ({}, WEIGHTS_LEFT) if k.startswith("fp4") else ({},) for k in c.block_configs[p]}
+            p: {
+                k: ({}, WEIGHTS_LEFT) if k in ("fp4_bf16_act", "fp4_nvfp4_act") else ({},)
+                for k in c.block_configs[p]
+            }
             for p in phases
         }
     elif arg:

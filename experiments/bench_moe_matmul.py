@@ -7,6 +7,10 @@ Per phase (M rows routed at random to G experts, `[M, K] x [G, N, K]`), side by 
   pallas_bf16    `kernels_pallas.grouped_matmul` (bf16 weights)
   fp4_bf16_act   `kernels_pallas.fp4_moe_matmul`, packed NVFP4 weights, bf16 activations
   fp4_nvfp4_act  the same with NVFP4 activations
+  fp4_*_predecoded  the same two with the weights decoded before the call (`predecode=True`,
+                 the bf16 kernel's grid over them), which the op picks by default from
+                 `PREDECODE_MIN_ROWS_PER_GROUP` rows per expert; the two above run
+                 `predecode=False`, the kernel's in-kernel decode
   dense_bf16     `[M, K] x [K, N]` in bf16: the same FLOPs, the machine's matmul rate
 Each Pallas kernel runs every block config of `config.block_configs.<phase>.<kernel>` (timed with
 `timing.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
@@ -43,7 +47,9 @@ from kernels_pallas.grouped_matmul import grouped_matmul
 from trace_jax import fp4
 from trace_jax.models.grouped_matmul import tiled_ragged_dot
 
-SWEPT = ("pallas_bf16", "fp4_bf16_act", "fp4_nvfp4_act")
+FP4 = ("fp4_bf16_act", "fp4_nvfp4_act")
+PREDECODED = tuple(f"{name}_predecoded" for name in FP4)
+SWEPT = ("pallas_bf16", *FP4, *PREDECODED)
 KERNELS = ("ragged_dot", "tiled", *SWEPT)
 DENSE = "dense_bf16"
 COLUMNS = ["phase", "M", "kernel", "ms", "tflops", "frac_of_dense", "byte_limit_ms"]
@@ -87,6 +93,7 @@ def references(ops: dict) -> dict:
         "fp4_bf16_act": _float32_product(f32(ops["x"]), w_fp4, ops["sizes"]),
         "fp4_nvfp4_act": _float32_product(dequantize_lhs(ops["xq"]), w_fp4, ops["sizes"]),
     }
+    by_fp4_act |= {f"{name}_predecoded": ref for name, ref in by_fp4_act.items()}
     return {"ragged_dot": bf16, "tiled": bf16, "pallas_bf16": bf16, **by_fp4_act}
 
 
@@ -102,8 +109,9 @@ def kernel_call(name: str, ops: dict, tiling: dict | None = None):
     if name == "pallas_bf16":
         fn = functools.partial(grouped_matmul, implementation="pallas", **tiling)
         return fn, (ops["x"], ops["w_nk"], ops["sizes"])
-    fn = functools.partial(fp4_moe_matmul, implementation="pallas", **tiling)
-    lhs = ops["x"] if name == "fp4_bf16_act" else ops["xq"]
+    predecode = name in PREDECODED
+    fn = functools.partial(fp4_moe_matmul, implementation="pallas", predecode=predecode, **tiling)
+    lhs = ops["x"] if name.startswith("fp4_bf16_act") else ops["xq"]
     return fn, (lhs, ops["packed"], ops["sizes"])
 
 
@@ -117,7 +125,7 @@ def bytes_moved(name: str, ops: dict) -> int:
         return harness.nbytes(ops["x"], ops["w_kn"][0]) + out
     active = int(jnp.count_nonzero(ops["sizes"]))
     weights = ops["packed"] if name.startswith("fp4") else ops["w_nk"]
-    lhs = ops["xq"] if name == "fp4_nvfp4_act" else ops["x"]
+    lhs = ops["xq"] if name.startswith("fp4_nvfp4_act") else ops["x"]
     return harness.nbytes(weights) * active // g + harness.nbytes(lhs) + out
 
 

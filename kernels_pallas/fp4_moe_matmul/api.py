@@ -9,6 +9,9 @@ Implementations, in the order the default (`implementation=None`) tries them on 
     Triton (an NVIDIA GPU, or interpret=True), `mosaic.fp4_moe_matmul_mosaic` through Mosaic (a
     TPU, or interpret=`pltpu.InterpretParams()`; block_m, block_n, block_k as given, the Triton
     launch options num_warps, num_stages and grid ignored).
+    With many rows per expert (`predecode_by_default`: prefill) the Triton path decodes the
+    weights once, before its call, and runs the bf16 grouped matmul's grid over them
+    (`predecoded.py`); `predecode=` chooses explicitly.
   * "xla": `reference.fp4_moe_matmul_reference`.
 On a TPU the default is ("pallas", "xla"); where Pallas does not compile, the reference alone
 (`kernels_pallas.common.implementation_order`). A named implementation runs alone and its errors
@@ -34,12 +37,14 @@ from kernels_pallas.fp4_moe_matmul.kernel import (
     fp4_moe_matmul_pallas,
     lhs_format,
 )
+from kernels_pallas.fp4_moe_matmul.predecoded import fp4_moe_matmul_predecoded
 from kernels_pallas.fp4_moe_matmul.reference import (
     Lhs,
     PackedFP4Weights,
     check_operands,
     fp4_moe_matmul_reference,
 )
+from kernels_pallas.grouped_matmul import api as grouped_api
 from trace_jax import fp4
 
 
@@ -66,6 +71,19 @@ def native_block_scaled() -> bool:
     """Whether the default GPU multiplies block-scaled FP4 in hardware (compute capability >= 10,
     Blackwell), where "scaled_matmul" leads the default order (`implementation_order`)."""
     return _compute_capability() >= 10
+
+
+# Rows per expert from which the Triton path decodes the weights before its call (`predecoded.py`):
+# the decode pass costs about what the in-kernel decode loses on 256 rows per expert at the
+# H200's rates (bf16 grouped matmul 404 TFLOP/s, FP4 kernel 195, copy 3.3 TB/s); at 512 the
+# expected gain holds even if that pass runs at half the copy bandwidth.
+PREDECODE_MIN_ROWS_PER_GROUP = 512
+
+
+def predecode_by_default(m: int, g: int) -> bool:
+    """Whether `[M, K] x [G, N, K]` decodes its weights before the call when `predecode` is None:
+    at least `PREDECODE_MIN_ROWS_PER_GROUP` rows per group on average (prefill)."""
+    return m >= PREDECODE_MIN_ROWS_PER_GROUP * g
 
 
 def block_config(
@@ -136,9 +154,28 @@ def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     return scaled.scaled_matmul_grouped(lhs, rhs, group_sizes, tile=tile, out_dtype=out_dtype)
 
 
+def _run_predecoded(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
+    """`predecoded.py` with the bf16 grouped matmul's tiles for these shapes (`grid` and
+    `weights_left` describe the in-kernel decode: ValueError if given)."""
+    fp4_only = [f for f in ("grid", "weights_left") if tiling[f] is not None]
+    if fp4_only:
+        raise ValueError(f"{', '.join(fp4_only)} apply to the in-kernel decode, not predecode=True")
+    m, k = lhs.shape
+    g, n, _ = rhs.shape
+    tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
+    config = grouped_api.block_config(m, g, k, n, **tiles)
+    return fp4_moe_matmul_predecoded(
+        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
+    )
+
+
 def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     target = common.pallas_target(interpret)
+    tiling = dict(tiling)
+    predecode = tiling.pop("predecode")
     if target.lowering is common.Lowering.MOSAIC:
+        if predecode:
+            raise NotImplementedError("predecode=True runs through Triton only")
         from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
 
         tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None}
@@ -149,6 +186,12 @@ def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
             )
 
         return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
+    if predecode is None:
+        predecode = predecode_by_default(lhs.shape[0], rhs.shape[0])
+    if predecode:
+        return _run_predecoded(
+            lhs, rhs, group_sizes, tiling=tiling, interpret=target.interpret, out_dtype=out_dtype
+        )
     config = block_config(lhs, rhs, **tiling)
     return fp4_moe_matmul_pallas(
         lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype
@@ -190,6 +233,7 @@ def fp4_moe_matmul_with_implementation(
     num_stages: int | None = None,
     grid: str | None = None,
     weights_left: bool | None = None,
+    predecode: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> tuple[jax.Array, MoEImplementation]:
@@ -204,6 +248,7 @@ def fp4_moe_matmul_with_implementation(
         num_stages=num_stages,
         grid=grid,
         weights_left=weights_left,
+        predecode=predecode,
     )
 
     def runner(name):
@@ -227,6 +272,7 @@ def fp4_moe_matmul(
     num_stages: int | None = None,
     grid: str | None = None,
     weights_left: bool | None = None,
+    predecode: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
@@ -246,6 +292,10 @@ def fp4_moe_matmul(
       grid: Pallas program order, "row_tiles" or "groups" (default; see `kernel.GRID_ORDERS`).
       weights_left: the decoded weights as the tile dots' left operand (`kernel.BlockConfig`,
         the Triton kernel; None: off).
+      predecode: the Triton path decodes the weights in one pass before its call and runs the
+        bf16 grouped matmul's grid over them (`predecoded.py`; block_* and the launch
+        parameters are then that kernel's, see `grouped_matmul.block_config`); None:
+        `predecode_by_default` (prefill-sized calls). NotImplementedError with Mosaic.
       interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
         kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
         `common.pallas_target`.
@@ -265,6 +315,7 @@ def fp4_moe_matmul(
         num_stages=num_stages,
         grid=grid,
         weights_left=weights_left,
+        predecode=predecode,
         interpret=interpret,
         out_dtype=out_dtype,
     )

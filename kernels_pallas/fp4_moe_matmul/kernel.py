@@ -227,6 +227,35 @@ def _exact_dtype(fmt: fp4.BlockFormat | None) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16)
 
 
+def dot_dtype(lhs_fmt: fp4.BlockFormat | None, w_fmt: fp4.BlockFormat) -> jnp.dtype:
+    """The dots' operand dtype: float16 where both operands are exact in it (NVFP4 x NVFP4), else
+    bfloat16: a bf16 activation or an E8M0 scale does not fit float16, while float16 operands fit
+    bfloat16."""
+    if _exact_dtype(lhs_fmt) == _exact_dtype(w_fmt) == jnp.float16:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def decode_unscale(lhs_fmt: fp4.BlockFormat | None) -> float:
+    """Undoes the 2**-14 of every FP4 operand's float16-aligned decode (the weights', and the
+    activations' in an FP4 format): a power of two, exact on the float32 sum."""
+    fp4_operands = 1 + (lhs_fmt is not None and lhs_fmt.is_fp4)
+    return (1.0 / F16_ALIGN) ** fp4_operands
+
+
+def decoded_operand(
+    codes: jax.Array, scales: jax.Array, fmt: fp4.BlockFormat, dtype: jnp.dtype
+) -> jax.Array:
+    """Block-scaled codes as a dot operand, exactly: codes uint8 `[..., K]` (one per byte: E2M1
+    in the low nibble, or E4M3 bits) times their block scales `[..., K / block_size]` (`fmt`'s
+    scale dtype) -> `dtype` `[..., K]`, FP4 values times 2**-14 (`common.e2m1_codes_as_f16`),
+    without the global scale. `dtype` is `dot_dtype` of the call's formats (see `_scaled`)."""
+    s = decode_scale_bits(scale_bits(scales), fmt).astype(_exact_dtype(fmt))
+    s = jnp.repeat(s, fmt.block_size, axis=-1)
+    values = e2m1_codes_as_f16(codes) if fmt.is_fp4 else as_e4m3(codes)
+    return (values.astype(s.dtype) * s).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Statics:
     m: int
@@ -242,17 +271,11 @@ class _Statics:
 
     @property
     def dot_dtype(self) -> jnp.dtype:
-        """float16 where both operands are exact in it (NVFP4 x NVFP4), else bfloat16: a bf16
-        activation or an E8M0 scale does not fit float16, while float16 operands fit bfloat16."""
-        if _exact_dtype(self.lhs_fmt) == _exact_dtype(self.w_fmt) == jnp.float16:
-            return jnp.dtype(jnp.float16)
-        return jnp.dtype(jnp.bfloat16)
+        return dot_dtype(self.lhs_fmt, self.w_fmt)
 
     @property
     def unscale(self) -> float:
-        """Undoes the 2**-14 of every FP4 operand's float16-aligned decode."""
-        fp4_operands = 1 + (self.lhs_fmt is not None and self.lhs_fmt.is_fp4)
-        return (1.0 / F16_ALIGN) ** fp4_operands
+        return decode_unscale(self.lhs_fmt)
 
     @property
     def num_lhs_refs(self) -> int:
@@ -284,14 +307,8 @@ def _lhs_planes(lhs: Lhs, st: _Statics) -> list[jax.Array]:
         pairs = lhs.reshape(m, k // 2, 2)
         return [pairs[..., 0].astype(st.dot_dtype), pairs[..., 1].astype(st.dot_dtype)]
     fmt = st.lhs_fmt
-    scales = decode_scale_bits(scale_bits(lhs.scales), fmt).astype(_exact_dtype(fmt))
-    scales = _expand_blocks(scales, fmt.block_size // 2)  # a block spans block_size / 2 per plane
-    pairs = lhs.codes.reshape(m, k // 2, 2)
-    planes = []
-    for codes in (pairs[..., 0], pairs[..., 1]):
-        # FP4 codes -> float16 bits (value * 2**-14); FP8 codes are E4M3 already.
-        values = e2m1_codes_as_f16(codes) if fmt.is_fp4 else as_e4m3(codes)
-        planes.append(_scaled(values, scales, st))
+    pairs = decoded_operand(lhs.codes, lhs.scales, fmt, st.dot_dtype).reshape(m, k // 2, 2)
+    planes = [pairs[..., 0], pairs[..., 1]]
     if fmt.has_global_scale:
         planes.append(jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m))
     return planes

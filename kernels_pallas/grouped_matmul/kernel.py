@@ -241,8 +241,10 @@ def group_major_call(
     )(bounds, *operands)
 
 
-def _bf16_tile_product(in_refs, g, rows, in_tile, *, k, block_k, precision):
-    """lhs rows `rows` x expert g's N tile: a K loop of dots, float32 `[block_m, block_n]`."""
+def dot_tile_product(in_refs, g, rows, in_tile, *, k, block_k, precision):
+    """lhs rows `rows` x expert g's N tile: a K loop of dots, float32 `[block_m, block_n]`; the
+    bf16 kernel's `TileProduct` (`in_refs` = lhs, rhs), also under the FP4 matmul's predecoded
+    weights (`kernels_pallas.fp4_moe_matmul.predecoded`)."""
     del in_tile  # rows outside the tile are computed and dropped at the store
     lhs_ref, rhs_ref = in_refs
     bm, bn = rows.size, rhs_ref.shape[1]
@@ -294,7 +296,7 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     rows_total = padded_rows(m, config.block_m)
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     tile_product = functools.partial(
-        _bf16_tile_product, k=k, block_k=config.block_k, precision=precision
+        dot_tile_product, k=k, block_k=config.block_k, precision=precision
     )
     out = group_major_call(
         tile_product,

@@ -49,6 +49,14 @@ def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
     assert "block_n must be a power of two >= 16, got 48" in failed[0]["error"]
     assert by[("decode", "fp4_nvfp4_act")]["block_config"]["grid"] == "row_tiles"
     assert saved["summary_ms"]["prefill"]["pallas_bf16"] is None
+    # Each FP4 kernel beside its predecoded twin, on the same operands, whatever the op's default.
+    ops = bench.operands(config, 96)
+    for kernel in bench.FP4:
+        (fn, args), (twin_fn, twin_args) = (
+            bench.kernel_call(k, ops) for k in (kernel, f"{kernel}_predecoded")
+        )
+        assert (fn.keywords["predecode"], twin_fn.keywords["predecode"]) == (False, True)
+        assert all(a is b for a, b in zip(args, twin_args, strict=True))
     assert saved["ceilings"]["read_bw"] > 0
 
 
@@ -60,6 +68,6 @@ def test_default_tiles_variant_times_each_kernel_at_its_defaults_at_decode_and_p
         kernels = config.block_configs[phase]
         assert set(kernels) == set(sweep.block_configs[phase]) == set(bench.SWEPT)
         for kernel, configs in kernels.items():  # the FP4 kernel with weights_left as well
-            fp4 = kernel.startswith("fp4")
+            fp4 = kernel in bench.FP4
             assert tuple(configs) == (({}, config_module.WEIGHTS_LEFT) if fp4 else ({},))
     assert sorted(config.to_dict()) == sorted(sweep.to_dict())  # overrides stay valid

@@ -1,0 +1,156 @@
+"""The FP4 MoE matmul for many rows per expert (prefill): the packed weights decoded once per call
+to 16-bit dot operands, then the bf16 grouped matmul's program grid over them (Triton lowering).
+
+Why. At prefill each weight tile meets hundreds of rows, so the product is bound by the tensor
+cores, not by bytes, and `kernel.py`'s in-kernel decode, done again for every row tile, is work
+the dense rate does not hide: on the H200 the FP4 kernel runs at 30% of the dense bf16 matmul
+rate at M = 65536 (195 TFLOP/s), the bf16 grouped matmul on the same grid at 62% (404;
+experiments/results/kernels_moe_matmul.md). Decoding the weights once is one pass over them
+(G x N x K codes read at half a byte, written at two), about 0.16 ms at the H200's copy bandwidth
+for 128 experts x 768 x 2048, against about 0.5 ms saved on that product at 65536 rows: expected
+1.06 -> about 0.67 ms a call, 30% -> about 50% of the dense rate. At decode (a few rows per
+expert) the bytes are the cost, and decoding first moves 9x the packed weights' bytes (read
+half a byte, write two, read two): `api.predecode_by_default` keeps the in-kernel decode there.
+
+Numerics: those of `kernel.py`. Both operands decode exactly (`kernel.decoded_operand`) to the
+dtype `kernel.dot_dtype` picks (float16 for NVFP4 x NVFP4, bfloat16 otherwise), FP4 values times
+2**-14; the products accumulate in float32 over K in `block_k` steps; after the K loop the 2**-14
+factors are undone and the global scales applied, in float32, in the kernel's order. The two
+paths differ by float32 summation order only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.fp4_moe_matmul.kernel import (
+    decode_unscale,
+    decoded_operand,
+    dot_dtype,
+    lhs_format,
+)
+from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights, check_operands
+from kernels_pallas.grouped_matmul.kernel import (
+    BlockConfig,
+    check_tiling,
+    dot_tile_product,
+    group_major_call,
+    pad_rows,
+    padded_rows,
+)
+from trace_jax import fp4
+
+
+def decoded_weights(rhs: PackedFP4Weights, dtype: jnp.dtype) -> jax.Array:
+    """The packed weights as dot operands: `dtype` `[G, N, K]`, values times 2**-14, without the
+    global scale (one XLA fusion: reads the codes and scales once, writes 2 bytes a value)."""
+    return decoded_operand(fp4.unpack_fp4(rhs.codes), rhs.scales, rhs.fmt, dtype)
+
+
+def decoded_lhs(lhs: Lhs, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array | None]:
+    """The activations as the dot's left operand, `dtype` `[M, K]` (bfloat16 ones as they are),
+    and the NVFP4 per-row global scale, float32 `[M]` (None for other formats)."""
+    fmt = lhs_format(lhs)
+    if fmt is None:
+        return lhs, None
+    values = decoded_operand(lhs.codes, lhs.scales, fmt, dtype)
+    if not fmt.has_global_scale:
+        return values, None
+    m = lhs.shape[0]
+    return values, jnp.broadcast_to(lhs.global_scale.astype(jnp.float32), (m, 1)).reshape(m)
+
+
+def _tile_product(in_refs, g, rows, in_tile, *, k, block_k, row_scaled, unscale):
+    """`dot_tile_product` over the decoded operands, then the kernel's epilogue: the 2**-14
+    factors undone, the expert's global scale, the rows' global scales (float32)."""
+    lhs_ref, rest = in_refs[0], in_refs[1:]
+    row_scale_ref, rest = (rest[0], rest[1:]) if row_scaled else (None, rest)
+    w_ref, w_scale_refs = rest[0], rest[1:]
+    acc = dot_tile_product([lhs_ref, w_ref], g, rows, in_tile, k=k, block_k=block_k, precision=None)
+    acc = acc * unscale
+    if w_scale_refs:
+        acc = acc * w_scale_refs[0][g]
+    if row_scale_ref is not None:
+        acc = acc * plgpu.load(row_scale_ref.at[rows], mask=in_tile, other=1.0)[:, None]
+    return acc
+
+
+def fp4_moe_matmul_predecoded(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    group_sizes: jax.Array,
+    *,
+    config: BlockConfig,
+    interpret: bool = False,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> jax.Array:
+    """Grouped `lhs [M, K] x rhs [G, N, K] -> [M, N]` (ragged_dot contract): the weights decoded
+    in one XLA pass, then one Pallas call on the group-major grid.
+
+    Args:
+      lhs: bfloat16 `[M, K]` or a `QTensor` `[M, K]` (MXFP4, NVFP4 or MXFP8, blocks along K).
+      rhs: packed FP4 weights `[G, N, K]`.
+      group_sizes: int32 `[G]`, `sum(group_sizes) <= M`; rows past the sum give 0.
+      config: the bf16 grouped matmul's tiles (`grouped_matmul.api.block_config`; block_n must
+        divide N, block_k K) and Triton launch parameters.
+      interpret: run in Pallas interpret mode (CPU tests).
+      out_dtype: output dtype (float32 accumulation either way).
+    """
+    m, k, n, _ = check_operands(lhs, rhs, group_sizes)
+    check_tiling(config, k, n)
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    return _pallas_call(
+        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
+def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
+    m, k = lhs.shape
+    g, n, _ = rhs.shape
+    dtype = dot_dtype(lhs_format(lhs), rhs.fmt)
+    a, row_scale = decoded_lhs(lhs, dtype)
+    mp = padded_rows(m, config.block_m)
+
+    def whole(*shape):
+        return pl.BlockSpec(shape, lambda j, gi: (0,) * len(shape))
+
+    operands, in_specs = [pad_rows(a, mp)], [whole(mp, k)]
+    if row_scale is not None:
+        operands.append(pad_rows(row_scale, mp))
+        in_specs.append(whole(mp))
+    operands.append(decoded_weights(rhs, dtype))
+    in_specs.append(pl.BlockSpec((g, config.block_n, k), lambda j, gi: (0, j, 0)))
+    if rhs.fmt.has_global_scale:
+        operands.append(rhs.global_scale.reshape(g))
+        in_specs.append(whole(g))
+    tile_product = functools.partial(
+        _tile_product,
+        k=k,
+        block_k=config.block_k,
+        row_scaled=row_scale is not None,
+        unscale=decode_unscale(lhs_format(lhs)),
+    )
+    out = group_major_call(
+        tile_product,
+        operands,
+        in_specs,
+        group_sizes,
+        rows_total=mp,
+        n=n,
+        block_m=config.block_m,
+        block_n=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        out_dtype=out_dtype,
+        interpret=interpret,
+        name="fp4_moe_matmul_predecoded",
+    )
+    return out[:m]

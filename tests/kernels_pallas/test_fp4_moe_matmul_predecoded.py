@@ -1,0 +1,117 @@
+"""The FP4 MoE matmul with its weights decoded before the call (`predecoded.py`): the shared
+cases of test_fp4_moe_matmul against the float32 reference (same tolerance and reasons: exact
+16-bit operands, float32 sums), its selection by rows per expert, its errors, its Triton lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas.fp4_moe_matmul import api, fp4_moe_matmul, pack_weights, predecoded
+from kernels_pallas.grouped_matmul.kernel import BlockConfig
+from tests.kernels_pallas.test_fp4_moe_matmul import (
+    GROUP_SIZES,
+    WIDE_RANGE_FORMATS,
+    G,
+    K,
+    M,
+    N,
+    _Cases,
+    _id,
+    _pallas_call_operands,
+    _wide_range,
+    assert_matches_reference,
+    make_operands,
+)
+from trace_jax import fp4
+
+TILES = dict(block_m=16, block_n=16, block_k=32)
+
+
+class TestPredecodedInterpret(_Cases):
+    """Every activation and weight format, every group pattern (empty groups, rows past the
+    groups), float32 and bfloat16 outputs."""
+
+    implementation = "pallas"
+    tiling: ClassVar[dict] = TILES | dict(predecode=True, interpret=True)
+
+
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), WIDE_RANGE_FORMATS, ids=_id)
+def test_operands_across_their_formats_range(w_fmt, a_fmt):
+    """Decoded once in XLA, every operand is still exact in the dot dtype across its format's
+    range (float16 for NVFP4 x NVFP4, bfloat16 otherwise; see test_fp4_moe_matmul)."""
+    x = _wide_range((M, K), a_fmt, seed=5)
+    lhs = x.astype(jnp.bfloat16) if a_fmt is None else fp4.quantize(x, a_fmt)
+    rhs = pack_weights(_wide_range((G, N, K), w_fmt, seed=6), w_fmt)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    out = fp4_moe_matmul(
+        lhs, rhs, gs, implementation="pallas", predecode=True, interpret=True,
+        out_dtype=jnp.float32, **TILES,
+    )  # fmt: skip
+    assert_matches_reference(out, lhs, rhs, gs, exact=False)
+
+
+def _weight_operand(lhs, rhs, gs, **kwargs):
+    """(shape, dtype) of the weights operand (`[G, N, K or K / 2]`) of the Pallas call."""
+    f = functools.partial(fp4_moe_matmul, implementation="pallas", interpret=True, **kwargs)
+    avals = _pallas_call_operands(jax.make_jaxpr(f)(lhs, rhs, gs))
+    (w,) = [a for a in avals if a.shape[:2] == (G, N) and a.shape[2] >= K // 2]  # not scales
+    return w.shape, w.dtype
+
+
+DOT_DTYPES = [(fp4.NVFP4, fp4.NVFP4, jnp.float16), (fp4.MXFP4, None, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(("w_fmt", "a_fmt", "dtype"), DOT_DTYPES)
+def test_default_decodes_first_from_prefill_rows(w_fmt, a_fmt, dtype):
+    """By default the kernel reads the packed bytes below `PREDECODE_MIN_ROWS_PER_GROUP` rows per
+    expert (decode) and the decoded `[G, N, K]` 16-bit weights from there on (prefill);
+    `predecode=` overrides either way."""
+    rows = api.PREDECODE_MIN_ROWS_PER_GROUP * G
+    packed, decoded = ((G, N, K // 2), jnp.uint8), ((G, N, K), jnp.dtype(dtype))
+    for m, expected in ((rows - 1, packed), (rows, decoded)):
+        lhs, rhs = make_operands(w_fmt, a_fmt, m=m)
+        gs = jnp.asarray((m // 4, 0, m // 2, m // 8), jnp.int32)
+        assert api.predecode_by_default(m, G) == (expected == decoded)
+        assert _weight_operand(lhs, rhs, gs) == expected
+        assert _weight_operand(lhs, rhs, gs, predecode=expected == packed) != expected
+
+
+def test_predecoded_settings_are_checked():
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    run = functools.partial(fp4_moe_matmul, implementation="pallas", predecode=True)
+    with pytest.raises(ValueError, match="grid apply to the in-kernel decode"):
+        run(lhs, rhs, gs, interpret=True, grid="groups")
+    with pytest.raises(ValueError, match="weights_left apply to the in-kernel decode"):
+        run(lhs, rhs, gs, interpret=True, weights_left=True)
+    with pytest.raises(ValueError, match="block_n=64 must divide N=32"):
+        run(lhs, rhs, gs, interpret=True, block_n=64)
+    with pytest.raises(NotImplementedError, match="Triton only"):
+        run(lhs, rhs, gs, interpret=pltpu.InterpretParams())
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, None)], ids=_id)
+def test_lowers_to_triton_for_h200(w_fmt, a_fmt):
+    """The predecoded call lowers to Triton IR for an (abstract) H200 (not compiled or run)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    lhs, rhs = make_operands(w_fmt, a_fmt)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    config = BlockConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
+    f = functools.partial(predecoded.fp4_moe_matmul_predecoded, config=config)
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+            lhs, rhs, gs
+        )
+    assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
