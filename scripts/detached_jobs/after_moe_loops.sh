@@ -1,13 +1,14 @@
 #!/bin/bash
 # After a queue (`AFTER=scripts/detached_jobs/after_moe_loops.sh`), on the idle GPU: the grouped
-# expert matmul at its default tiles (the FP4 kernel also with `weights_left`) and the FP4 decode
+# expert matmul at its default tiles (the FP4 kernel also with `weights_left`, and beside its
+# twin that decodes the weights before the call, `*_predecoded`) and the FP4 decode
 # ablation's load, float16-decode and bf16 bodies (the latter two also with the weights as the
 # dots' left operand), each kernel timed per call and inside one device loop (`loop_ms` /
 # `loop_us`: below the host's per-call dispatch floor). Each under a hard time limit, results into $JOBS/out.
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
 cd "$JOBS/repo" || exit 1
-run 240 kernels_moe_matmul experiments.bench_moe_matmul \
+run 300 kernels_moe_matmul experiments.bench_moe_matmul \
   --config=configs/bench_moe_matmul.py:default_tiles --outdir="$JOBS/out"
 run 240 moe_matmul_ablation_loop experiments.moe_matmul_ablation \
   --config.variants="('stream','f16asm','f16asm_wl','bf16w','bf16w_wl')" \
