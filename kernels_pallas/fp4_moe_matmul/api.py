@@ -164,6 +164,8 @@ def _run_predecoded(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     g, n, _ = rhs.shape
     tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
     config = grouped_api.block_config(m, g, k, n, **tiles)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
     return fp4_moe_matmul_predecoded(
         lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
     )

@@ -34,10 +34,9 @@ from kernels_pallas.fp4_moe_matmul.kernel import (
     dot_dtype,
     lhs_format,
 )
-from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights, check_operands
+from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights
 from kernels_pallas.grouped_matmul.kernel import (
     BlockConfig,
-    check_tiling,
     dot_tile_product,
     group_major_call,
     pad_rows,
@@ -80,6 +79,7 @@ def _tile_product(in_refs, g, rows, in_tile, *, k, block_k, row_scaled, unscale)
     return acc
 
 
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def fp4_moe_matmul_predecoded(
     lhs: Lhs,
     rhs: PackedFP4Weights,
@@ -90,29 +90,18 @@ def fp4_moe_matmul_predecoded(
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
     """Grouped `lhs [M, K] x rhs [G, N, K] -> [M, N]` (ragged_dot contract): the weights decoded
-    in one XLA pass, then one Pallas call on the group-major grid.
+    in one XLA pass, then one Pallas call on the group-major grid. The operands and tiles are
+    the api's to check (`api.fp4_moe_matmul(..., predecode=True)`, which also answers M = 0).
 
     Args:
       lhs: bfloat16 `[M, K]` or a `QTensor` `[M, K]` (MXFP4, NVFP4 or MXFP8, blocks along K).
       rhs: packed FP4 weights `[G, N, K]`.
       group_sizes: int32 `[G]`, `sum(group_sizes) <= M`; rows past the sum give 0.
-      config: the bf16 grouped matmul's tiles (`grouped_matmul.api.block_config`; block_n must
-        divide N, block_k K) and Triton launch parameters.
+      config: the bf16 grouped matmul's tiles (`grouped_matmul.api.block_config`: block_n
+        divides N, block_k K) and Triton launch parameters.
       interpret: run in Pallas interpret mode (CPU tests).
       out_dtype: output dtype (float32 accumulation either way).
     """
-    m, k, n, _ = check_operands(lhs, rhs, group_sizes)
-    check_tiling(config, k, n)
-    out_dtype = jnp.dtype(out_dtype)
-    if m == 0:
-        return jnp.zeros((0, n), out_dtype)
-    return _pallas_call(
-        lhs, rhs, group_sizes, config=config, interpret=interpret, out_dtype=out_dtype
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
-def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     m, k = lhs.shape
     g, n, _ = rhs.shape
     dtype = dot_dtype(lhs_format(lhs), rhs.fmt)
@@ -145,10 +134,7 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
         group_sizes,
         rows_total=mp,
         n=n,
-        block_m=config.block_m,
-        block_n=config.block_n,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        config=config,
         out_dtype=out_dtype,
         interpret=interpret,
         name="fp4_moe_matmul_predecoded",

@@ -204,10 +204,7 @@ def group_major_call(
     *,
     rows_total: int,
     n: int,
-    block_m: int,
-    block_n: int,
-    num_warps: int,
-    num_stages: int,
+    config: BlockConfig,
     out_dtype: jnp.dtype,
     interpret: bool,
     name: str,
@@ -216,8 +213,10 @@ def group_major_call(
 
     operands, in_specs: the op's inputs; their index maps take the program ids `(j, g)` (g = G is
     the tail program, which reads nothing). Row-indexed operands hold `rows_total` rows
-    (`padded_rows`). Returns `[rows_total, n]` in `out_dtype`.
+    (`padded_rows`). config: block_m, block_n, num_warps and num_stages are read (this module's
+    `BlockConfig` or the FP4 kernel's). Returns `[rows_total, n]` in `out_dtype`.
     """
+    block_m, block_n = config.block_m, config.block_n
     n_groups = group_sizes.shape[0]
     bounds = group_row_bounds(group_sizes, rows_total)
     kernel = functools.partial(
@@ -235,7 +234,7 @@ def group_major_call(
         grid=(n // block_n, n_groups + 1),
         in_specs=[pl.BlockSpec((n_groups + 2,), lambda j, g: (0,)), *in_specs],
         out_specs=pl.BlockSpec((rows_total, block_n), lambda j, g: (0, j)),
-        compiler_params=triton_params(num_warps, num_stages),
+        compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=name,
     )(bounds, *operands)
@@ -308,10 +307,7 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
         group_sizes,
         rows_total=rows_total,
         n=n,
-        block_m=config.block_m,
-        block_n=config.block_n,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        config=config,
         out_dtype=out_dtype,
         interpret=interpret,
         name="grouped_matmul",

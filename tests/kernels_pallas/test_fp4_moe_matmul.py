@@ -44,6 +44,7 @@ from kernels_pallas.fp4_moe_matmul import (
     scaled,
     tile_group_ranges,
 )
+from tests.kernels_pallas.triton_lowering import assert_lowers_to_triton_for_h200
 from trace_jax import fp4
 
 M, K, N, G = 40, 64, 32, 4
@@ -217,20 +218,11 @@ class TestPallasInterpretGroupMajor(TestPallasInterpret):
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)])
 def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid, weights_left):
     """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
-    from jax.experimental.pallas import triton as plgpu
-
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
     config = BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid, weights_left=weights_left)
     f = functools.partial(fp4_moe_matmul_pallas, config=config)
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-            lhs, rhs, gs
-        )
-    assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+    assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
 
 
 def _pallas_call_operands(jaxpr) -> list:

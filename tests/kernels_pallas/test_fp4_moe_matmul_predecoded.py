@@ -29,6 +29,7 @@ from tests.kernels_pallas.test_fp4_moe_matmul import (
     assert_matches_reference,
     make_operands,
 )
+from tests.kernels_pallas.triton_lowering import assert_lowers_to_triton_for_h200
 from trace_jax import fp4
 
 TILES = dict(block_m=16, block_n=16, block_k=32)
@@ -95,23 +96,16 @@ def test_predecoded_settings_are_checked():
         run(lhs, rhs, gs, interpret=True, block_n=64)
     with pytest.raises(NotImplementedError, match="Triton only"):
         run(lhs, rhs, gs, interpret=pltpu.InterpretParams())
+    no_rows = run(jnp.zeros((0, K), jnp.bfloat16), rhs, jnp.zeros((G,), jnp.int32), interpret=True)
+    assert no_rows.shape == (0, N) and no_rows.dtype == jnp.bfloat16
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, None)], ids=_id)
 def test_lowers_to_triton_for_h200(w_fmt, a_fmt):
     """The predecoded call lowers to Triton IR for an (abstract) H200 (not compiled or run)."""
-    from jax.experimental.pallas import triton as plgpu
-
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
     config = BlockConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
     f = functools.partial(predecoded.fp4_moe_matmul_predecoded, config=config)
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-            lhs, rhs, gs
-        )
-    assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+    assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)

@@ -34,6 +34,7 @@ from kernels_pallas.grouped_matmul import (
     grouped_matmul_with_implementation,
 )
 from tests.kernels_pallas.rounding import U32, U_BF16
+from tests.kernels_pallas.triton_lowering import assert_lowers_to_triton_for_h200
 
 pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
@@ -230,16 +231,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_lowers_to_triton_for_h200():
     """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
-    from jax.experimental.pallas import triton as plgpu
-
     lhs, rhs = operands()
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
     f = functools.partial(grouped_matmul_pallas, config=BlockConfig(**SMALL_TILES))
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-            lhs, rhs, gs
-        )
-    assert plgpu.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+    assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
