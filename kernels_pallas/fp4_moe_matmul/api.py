@@ -9,9 +9,9 @@ Implementations, in the order the default (`implementation=None`) tries them on 
     Triton (an NVIDIA GPU, or interpret=True), `mosaic.fp4_moe_matmul_mosaic` through Mosaic (a
     TPU, or interpret=`pltpu.InterpretParams()`; block_m, block_n, block_k as given, the Triton
     launch options num_warps, num_stages and grid ignored).
-    With many rows per expert (`predecode_by_default`: prefill) the Triton path decodes the
-    weights once, before its call, and runs the bf16 grouped matmul's grid over them
-    (`predecoded.py`); `predecode=` chooses explicitly.
+    With `predecode=True` (and by default with many rows per expert once `PREDECODE_BY_DEFAULT`
+    is set: `predecode_by_default`) the Triton path decodes the weights once, before its call,
+    and runs the bf16 grouped matmul's grid over them (`predecoded.py`).
   * "xla": `reference.fp4_moe_matmul_reference`.
 On a TPU the default is ("pallas", "xla"); where Pallas does not compile, the reference alone
 (`kernels_pallas.common.implementation_order`). A named implementation runs alone and its errors
@@ -78,12 +78,16 @@ def native_block_scaled() -> bool:
 # H200's rates (bf16 grouped matmul 404 TFLOP/s, FP4 kernel 195, copy 3.3 TB/s); at 512 the
 # expected gain holds even if that pass runs at half the copy bandwidth.
 PREDECODE_MIN_ROWS_PER_GROUP = 512
+# Off until timed on a GPU (`bench_moe_matmul`'s `*_predecoded` rows): until then the rollouts,
+# the long RL tables' among them, keep the in-kernel decode that has run on the H200.
+PREDECODE_BY_DEFAULT = False
 
 
 def predecode_by_default(m: int, g: int) -> bool:
     """Whether `[M, K] x [G, N, K]` decodes its weights before the call when `predecode` is None:
-    at least `PREDECODE_MIN_ROWS_PER_GROUP` rows per group on average (prefill)."""
-    return m >= PREDECODE_MIN_ROWS_PER_GROUP * g
+    where `PREDECODE_BY_DEFAULT`, at `PREDECODE_MIN_ROWS_PER_GROUP` rows per group on average
+    and more (prefill)."""
+    return PREDECODE_BY_DEFAULT and m >= PREDECODE_MIN_ROWS_PER_GROUP * g
 
 
 def block_config(
