@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import AxisType
@@ -420,3 +421,25 @@ def split_block_scales(
     rel_f32 = jax.lax.bitcast_convert_type((jnp.maximum(rel, -126) + 127) << 23, jnp.float32)
     elem = jnp.where(rel < -24, 0.0, rel_f32).astype(jnp.float16)
     return elem, numerics.decode_e8m0(e_max)
+
+
+# ---------------------------------------------------------------------- flash attention bodies
+
+
+def load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
+    """Rows [start, start + block_s) of a per-(b, h) ref [S, ...] (Triton lowering); rows not
+    `valid` are not read and come back as zeros."""
+    rows = pl.ds(start, block_s)
+    zero = jnp.zeros((), ref.dtype)
+    trailing = len(ref.shape) - 1
+    mask = valid[(slice(None),) + (None,) * trailing]
+    return pl_triton.load(ref.at[(rows,) + (slice(None),) * trailing], mask=mask, other=zero)
+
+
+def online_softmax_step(m, total, s):
+    """Running max `m` and sum `total` [rows] updated by block scores `s` -> (new max, the old
+    terms' rescale alpha, probabilities p [rows, block_s] float32, new sum)."""
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    return m_new, alpha, p, alpha * total + p.sum(axis=1)

@@ -56,9 +56,9 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import common
+from kernels_pallas.common import load_rows, online_softmax_step
 from trace_jax.fp4 import BlockFormat, PackedTensorCache
 
 # Smallest query tile: Triton's dot needs M >= 16.
@@ -126,16 +126,6 @@ def dot_dtype_for(q_dtype) -> jnp.dtype:
 # Kernel body.
 
 
-def load_rows(ref, start, block_s: int, valid: jax.Array) -> jax.Array:
-    """Rows [start, start + block_s) of a per-(b, h) ref [S, ...]; rows not `valid` are not read
-    and come back as zeros."""
-    rows = pl.ds(start, block_s)
-    zero = jnp.zeros((), ref.dtype)
-    trailing = len(ref.shape) - 1
-    mask = valid[(slice(None),) + (None,) * trailing]
-    return plgpu.load(ref.at[(rows,) + (slice(None),) * trailing], mask=mask, other=zero)
-
-
 def decode_fp4_planes(
     codes: jax.Array, bits: jax.Array, fmt: BlockFormat, dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -201,15 +191,6 @@ def block_scores(qs, ks, k_scale, valid, q_scale) -> jax.Array:
     if k_scale is not None:
         s = s * k_scale[None, :]
     return jnp.where(valid[None, :], s * q_scale, -jnp.inf)
-
-
-def online_softmax_step(m, total, s):
-    """Running max `m` and sum `total` [block_g] updated by block scores `s` -> (new max, the old
-    terms' rescale alpha, probabilities p [block_g, block_s] float32, new sum)."""
-    m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    return m_new, alpha, p, alpha * total + p.sum(axis=1)
 
 
 def weight_by_v_rows(p, v_scale, dtype):
