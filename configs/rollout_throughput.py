@@ -23,6 +23,9 @@ for variants in "'bf16', 'fp4'" "'fp4', 'fp4 + full'" "'fp4', 'fp4 + compact'"; 
 done
 python -m experiments.rollout_throughput --config.variants="('bf16', 'fp4')" \
     --config.model.grouped_matmul=tiled   # strings with spaces: quoted, in a tuple
+# the prefill chunks' attention by the flash kernel beside XLA's, 8K prompts (one round)
+python -m experiments.rollout_throughput --config.rows="((64, 8192, 256),)" --config.repeats=1 \
+    --config.variants="('bf16', 'bf16 + flash prefill', 'fp4', 'fp4 + flash prefill')"
 python -m experiments.rollout_throughput --config=configs/rollout_throughput.py:smoke  # CPU smoke
 python -m experiments.rollout_throughput --plot_from=experiments/results/rollout_throughput.json
 

@@ -11,7 +11,9 @@ decodes all its new tokens. Variants (`trace_jax.rollout.variants.ROLLOUT_VARIAN
   * fp4            : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
   * fp4 + compact  : the same, recording TRACE's compact guidance at the method's guided sites;
   * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full);
-  * fp4 xla        : NVFP4 W/A/KV by XLA fake quantization (the reference path; not a default).
+  * fp4 xla        : NVFP4 W/A/KV by XLA fake quantization (the reference path; not a default);
+  * bf16 + flash prefill, fp4 + flash prefill : bf16, fp4 with the prefill chunks' attention by
+    the flash kernel (`kernels_pallas.prefill_attention`; not defaults).
 
 Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant one rollout of N
 new tokens is compiled ahead of time; `generate`'s traced `new_token_limit` runs it whole (N) or as

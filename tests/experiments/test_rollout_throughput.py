@@ -3,6 +3,7 @@ against the bytes it must read, failures recorded, results merged across command
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -231,6 +232,14 @@ def test_variants_set_the_rollouts_quantization_capture_and_kernels():
     assert fp4["sampling"].max_new_tokens == 5 and fp4["sampling"].stop_tokens == ()
     chunked = variants.rollout_kwargs(cfg, "fp4", 5, "nvfp4", 16)
     assert chunked["sampling"].prefill_chunk_tokens == 16
+    # The flash-prefill twins: the same rollout arguments, the model's prefill attention "auto".
+    graphdef, params = nnx.split(abstract_model(cfg))
+    for base in ("bf16", "fp4"):
+        twin = f"{base} + flash prefill"
+        assert kwargs(twin) == kwargs(base)
+        assert variants.variant_graphdef(cfg, graphdef, base) is graphdef
+        model = nnx.merge(variants.variant_graphdef(cfg, graphdef, twin), params)
+        assert model.cfg == dataclasses.replace(cfg, prefill_attention="auto")
 
 
 def entry(seconds_by_round, run, tokens=1.0):

@@ -1,5 +1,7 @@
 """KV cache: prefill + token-by-token decode equal the teacher-forced forward (right padding)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +207,34 @@ def test_attention_in_query_blocks_equals_one_block():
     probs /= probs.sum(-1, keepdims=True)
     want = np.einsum("bngts,bsnc->btngc", probs, v64)
     np.testing.assert_allclose(np.asarray(blocked), want, rtol=0, atol=1e-5)
+
+
+def test_prefill_attention_kernel_serves_prefill_chunks(model, seqs, monkeypatch):
+    """`prefill_attention="pallas"`: a padded prompt prefill and a chunk continuing it attend
+    with the flash kernel (counted), decode steps do not, and the logits agree with the
+    teacher-forced forward as the XLA path's do (same parameters, a differently summed softmax)."""
+    from kernels_pallas.prefill_attention import kernel
+
+    calls = []
+    traced = kernel.prefill_attention_pallas
+    monkeypatch.setattr(
+        kernel, "prefill_attention_pallas", lambda *a, **k: calls.append(1) or traced(*a, **k)
+    )
+    cfg = dataclasses.replace(CFG32, prefill_attention="pallas")
+    graphdef, params = nnx.graphdef(init_model(cfg, seed=3)), nnx.state(model)
+    ref, _ = model(seqs)
+    cache = init_cache(cfg, batch=3, max_len=MAX_LEN)
+    first = jnp.asarray(LENGTHS - 2)  # the prompts' last two tokens come as a second chunk
+    logits, _, cache = prefill_jit(graphdef, params, cache, right_padded_prompts(seqs), first)
+    assert len(calls) == cfg.n_layers
+    for b, n in enumerate(first):
+        assert_logits_agree(model, logits[b, :n], ref[b, :n], SEQ_LEN)
+    rest = seqs[np.arange(3)[:, None], np.asarray(first)[:, None] + np.arange(2)]
+    logits, _, cache = prefill_jit(graphdef, params, cache, rest, jnp.full((3,), 2))
+    assert len(calls) == 2 * cfg.n_layers
+    for b, n in enumerate(first):
+        assert_logits_agree(model, logits[b], ref[b, n : n + 2], SEQ_LEN)
+    logits, _, cache = decode_step_jit(graphdef, params, cache, continuation(seqs, 0))
+    assert len(calls) == 2 * cfg.n_layers  # one query a row: the XLA path
+    for b, n in enumerate(LENGTHS):
+        assert_logits_agree(model, logits[b], ref[b, n], SEQ_LEN)

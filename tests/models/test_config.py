@@ -19,6 +19,7 @@ from trace_jax.models import (
     param_count,
     resolve_implementation,
 )
+from trace_jax.models.config import prefill_attention_order
 
 # Qwen3-30B-A3B config.json (the fields that matter), as published by Qwen.
 QWEN3_30B_A3B_HF = {
@@ -109,6 +110,7 @@ def test_presets_are_derived_and_overridable():
         (dict(dtype=jnp.int32), "dtype"),
         (dict(param_dtype="not-a-dtype"), "param_dtype"),
         (dict(grouped_matmul="megablox"), "grouped_matmul"),
+        (dict(prefill_attention="cudnn"), r"prefill_attention must be one of \['xla'"),
     ],
 )
 def test_invalid_configs_raise(overrides, fragment):
@@ -188,3 +190,20 @@ def test_expert_matmul_leads_with_native_fp4_where_the_gpu_has_it(
     assert expert_kernel_order("pallas") == pallas_order
     assert expert_kernel_order("xla") == ("xla",)
     assert kernel_order("pallas") == ("pallas", "xla")
+
+
+@pytest.mark.parametrize(
+    ("platform", "auto"), [("cpu", ("xla",)), ("gpu", ("pallas", "xla")), ("tpu", ("xla",))]
+)
+def test_prefill_attention_auto_is_the_kernel_where_triton_compiles_it(platform, auto):
+    """ "auto": the flash kernel on a GPU; elsewhere (the CPU, a TPU, where the op has no Mosaic
+    kernel) XLA's attention; "pallas" is `kernel_order`'s (an error on the CPU unless
+    interpreted); "xla" is XLA's everywhere."""
+    with common.lowering_for(platform):
+        assert prefill_attention_order("auto") == auto
+        assert prefill_attention_order("xla") == ("xla",)
+        if platform != "cpu":
+            assert prefill_attention_order("pallas") == ("pallas", "xla")
+    with pytest.raises(common.PallasUnavailableError):
+        prefill_attention_order("pallas")
+    assert ModelConfig.tiny().prefill_attention == "xla"  # until timed on a GPU

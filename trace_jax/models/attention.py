@@ -25,6 +25,7 @@ from flax import nnx
 from kernels_pallas.common import Implementation
 from kernels_pallas.fp4_decode_attention import fp4_decode_attention
 from kernels_pallas.fp4_quantize import fp4_quantize
+from kernels_pallas.prefill_attention import prefill_attention
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, PackedTensorCache
 from trace_jax.models.config import (
@@ -32,6 +33,7 @@ from trace_jax.models.config import (
     QuantSite,
     SiteName,
     kernel_order,
+    prefill_attention_order,
     site_implementation,
 )
 
@@ -200,6 +202,25 @@ def cache_mask(q_positions: jax.Array, kv_lengths: jax.Array, max_len: int) -> j
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheMask:
+    """`cache_mask` kept as its parts, for attention over a cache: query positions int32
+    [B, T] (= their slots), valid slots int32 [B], the cache's slots S (static). A flash kernel
+    takes the parts; `dense()` is the [B, T, S] bool mask."""
+
+    positions: jax.Array
+    lengths: jax.Array
+    max_len: int = dataclasses.field(metadata=dict(static=True))
+
+    def dense(self) -> jax.Array:
+        return cache_mask(self.positions, self.lengths, self.max_len)
+
+
+# What `Attention` takes: a dense bool mask [B, T, S], or a cache's mask by its parts.
+AttentionMask = jax.Array | CacheMask
+
+
 # ----------------------------------------------------------------------------------- attention
 
 
@@ -269,7 +290,7 @@ class Attention(nnx.Module):
         x: jax.Array,
         *,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         layer: int,
         site: QuantSite,
         cache: LayerKVCache | None = None,
@@ -279,7 +300,9 @@ class Attention(nnx.Module):
 
         Without a cache, keys are the T new tokens and `mask` is [B, T, T]. With a cache, the new
         k, v are written at `slots [B, T]` first, attention reads all S slots, `mask` is
-        [B, T, S]. The sites "k" and "v" see k, v [B, T, Hkv, Dh] before any cache write.
+        [B, T, S] or a `CacheMask` (then several new tokens, a prefill chunk, attend as
+        `cfg.prefill_attention` says). The sites "k" and "v" see k, v [B, T, Hkv, Dh] before
+        any cache write.
         """
         cfg = self.cfg
         dt = cfg.dtype
@@ -322,10 +345,17 @@ class Attention(nnx.Module):
             k, v = cache_read(cache, dt)
         b, t = q.shape[:2]
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-        # Blocks of queries bound a prefill's scores; the trainer's forward (no cache) keeps one
-        # block, since differentiating it saves every block's probabilities anyway.
-        query_block = None if cache is None else QUERY_BLOCK
-        out = attend(q, k.astype(dt), v.astype(dt), mask, query_block=query_block)
+        order = prefill_attention_order(cfg.prefill_attention)
+        if isinstance(mask, CacheMask) and t > 1 and order[0] is Implementation.PALLAS:
+            out = prefill_attention(
+                q, k.astype(dt), v.astype(dt), mask.positions, mask.lengths, implementation=order
+            )
+        else:
+            dense = mask.dense() if isinstance(mask, CacheMask) else mask
+            # Blocks of queries bound a prefill's scores; the trainer's forward (no cache) keeps
+            # one block, since differentiating it saves every block's probabilities anyway.
+            query_block = None if cache is None else QUERY_BLOCK
+            out = attend(q, k.astype(dt), v.astype(dt), dense, query_block=query_block)
         out = out.reshape(b, t, cfg.n_heads, cfg.head_dim)
         y = jnp.einsum("bthc,hcd->btd", out, self.w_o[...].astype(dt))
         return y, cache

@@ -188,6 +188,21 @@ def _hf_rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
     return float(next(iter(thetas.values()), _HF_DEFAULT_ROPE_THETA))
 
 
+# `ModelConfig.prefill_attention` settings; "auto" is decided by `prefill_attention_order`.
+PREFILL_ATTENTION = ("xla", "pallas", "auto")
+
+
+def prefill_attention_order(setting: str) -> tuple[Implementation, ...]:
+    """The `implementation=` a prefill chunk's attention passes to `kernels_pallas.
+    prefill_attention` for `ModelConfig.prefill_attention`: "xla" the reference; "pallas" the
+    kernel (`kernel_order`); "auto" the kernel where Triton compiles it natively (a GPU), else the
+    reference (on a TPU the op has no Mosaic kernel)."""
+    if setting == "auto":
+        native = common.native_lowering() is common.Lowering.TRITON
+        setting = "pallas" if native else "xla"
+    return kernel_order(Implementation(setting))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shapes and numerics of a Qwen3-MoE-style decoder.
@@ -214,6 +229,12 @@ class ModelConfig:
         grouped kernel), "pallas" (the Pallas grouped matmul forward, the tiled form's backward)
         or "auto" (`grouped_matmul.resolve`: "pallas" on a GPU or a TPU; elsewhere tiled for many
         rows per expert, ragged_dot for few); the same products up to float32 summation order.
+      prefill_attention: the attention of a prefill chunk over the KV cache (several new
+        tokens against the cache: `forward_cached`), "xla" (`attention.attend`: float32 scores
+        of a block of queries against every slot), "pallas" (`kernels_pallas.prefill_attention`:
+        flash attention, Triton; the op's reference where Pallas does not compile and no
+        interpretation is asked for is an error, as for every "pallas") or "auto" ("pallas" on
+        a GPU, "xla" elsewhere). Decode steps and the trainer's forward are not affected.
       remat: recompute each block's activations in the backward pass from the block's input
         (`nnx.remat` per block) instead of keeping them: a training step's activation memory
         falls from every block's (attention scores [B, H, T, T] among them) to about one
@@ -240,6 +261,7 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     grouped_matmul: str = "ragged_dot"
+    prefill_attention: str = "xla"
     remat: bool = False
 
     def __post_init__(self):
@@ -247,6 +269,11 @@ class ModelConfig:
         if self.grouped_matmul not in choices:
             raise ValueError(
                 f"ModelConfig.grouped_matmul must be one of {choices}, got {self.grouped_matmul!r}"
+            )
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(
+                f"ModelConfig.prefill_attention must be one of {list(PREFILL_ATTENTION)}, got "
+                f"{self.prefill_attention!r}"
             )
         positive = (
             "vocab_size",

@@ -26,10 +26,11 @@ from flax import nnx
 
 from trace_jax.models.attention import (
     Attention,
+    AttentionMask,
+    CacheMask,
     KVCache,
     LayerKVCache,
     RMSNorm,
-    cache_mask,
     causal_mask,
 )
 from trace_jax.models.config import ModelConfig, QuantSite, identity_site, site_records
@@ -52,7 +53,7 @@ class DecoderLayer(nnx.Module):
         *,
         layer: int,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         valid: jax.Array,
         site: QuantSite,
         expert_choices: jax.Array | None,
@@ -163,7 +164,7 @@ class Qwen3MoE(nnx.Module):
         tokens: jax.Array,
         *,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         valid: jax.Array,
         site: QuantSite,
         expert_choices: jax.Array | None,
@@ -282,7 +283,7 @@ def forward_cached(
     hidden, aux, layers = model._run(
         tokens,
         positions=positions,
-        mask=cache_mask(positions, cache.lengths, cache.max_len),
+        mask=CacheMask(positions, cache.lengths, cache.max_len),
         valid=positions < cache.lengths[:, None],
         site=site,
         expert_choices=expert_choices,

@@ -9,6 +9,8 @@ FP4 with TRACE's compact or full guidance capture, FP4 by XLA fake quantization;
 | `fp4 + compact` | `fp4`, recording TRACE's compact guidance at its guided sites    |
 | `fp4 + full`    | `fp4`, recording full codes at every FP4 site (TRACE-full)       |
 | `fp4 xla`       | W/A/KV by XLA fake quantization (the reference path)             |
+| `bf16 + flash prefill`, `fp4 + flash prefill` | `bf16`, `fp4` with the prefill chunks'      |
+|                 | attention by the flash kernel (`prefill_attention="auto"`)        |
 
 Every rollout samples at temperature 1 with no stop token, so that each sequence decodes all its
 new tokens; one compile serves every `new_token_limit` up to its `max_new_tokens`.
@@ -39,13 +41,14 @@ from trace_jax.rollout.sampling import SamplingConfig
 
 @dataclasses.dataclass(frozen=True)
 class RolloutVariant:
-    """A rollout configuration: FP4 W/A/KV or bf16, the kernels ("xla" | "pallas"), and what
+    """A rollout configuration: FP4 W/A/KV or bf16, the kernels ("xla" | "pallas"), what
     guidance it records: None, "method" (TRACE's compact guidance at its guided sites) or "all"
-    (full codes at every FP4 site)."""
+    (full codes at every FP4 site), and the model's `prefill_attention` (None: the config's)."""
 
     fp4: bool
     implementation: str
     capture: str | None = None
+    prefill_attention: str | None = None
 
     @property
     def packs_experts(self) -> bool:
@@ -59,7 +62,18 @@ ROLLOUT_VARIANTS = {
     "fp4 + compact": RolloutVariant(True, "pallas", "method"),
     "fp4 + full": RolloutVariant(True, "pallas", "all"),
     "fp4 xla": RolloutVariant(True, "xla"),
+    "bf16 + flash prefill": RolloutVariant(False, "xla", prefill_attention="auto"),
+    "fp4 + flash prefill": RolloutVariant(True, "pallas", prefill_attention="auto"),
 }
+
+
+def variant_graphdef(cfg: ModelConfig, graphdef, variant: str):
+    """The graphdef `variant` rolls out with: `graphdef` (of a model of `cfg`), or that of the
+    same model with the variant's `prefill_attention` (the parameters are the same)."""
+    setting = ROLLOUT_VARIANTS[variant].prefill_attention
+    if setting is None or setting == cfg.prefill_attention:
+        return graphdef
+    return nnx.graphdef(abstract_model(dataclasses.replace(cfg, prefill_attention=setting)))
 
 
 def tree_nbytes(*trees) -> int:
@@ -126,6 +140,7 @@ def compile_rollout(
     (`rollout_inputs`) -> {"call": the compiled rollout, taking `(*inputs, new_token_limit)`,
     "compile_s", "temp_gib": XLA's temporary buffers (None where the backend does not say)}."""
     kw = rollout_kwargs(cfg, variant, new_tokens, fmt, prefill_chunk_tokens)
+    graphdef = variant_graphdef(cfg, graphdef, variant)
     t0 = time.perf_counter()
     compiled = generate.lower(graphdef, *inputs, jnp.int32(new_tokens), **kw).compile()
     ready = {"call": compiled, "compile_s": time.perf_counter() - t0}
