@@ -13,10 +13,11 @@ python -m experiments.bench_moe_matmul --config=configs/bench_moe_matmul.py:smok
 `block_configs.<phase>.<kernel>`: a tuple of dicts of the kernel's tiling keywords (block_m,
 block_n, block_k, num_warps, num_stages; the FP4 kernel also `grid`), `{}` being the kernel's
 `default_block_config` for the shape, `{"weights_left": True}` the defaults with the decoded FP4
-weights as the dots' left operand; the `*_predecoded` kernels (weights decoded before the call)
+weights as the dots' left operand, `{"split_by_scale_block": True}` with the codes read split by
+scale block (both: `DECODE_LAYOUTS`); the `*_predecoded` kernels (weights decoded before the call)
 take the bf16 kernel's tiles. The first entries are the defaults and their neighbours;
 each list is about ten compiles, so the sweep takes a few minutes on the H200. `default_tiles`:
-each Pallas kernel at its default tiles only (the FP4 kernel also with `weights_left`), at decode
+each Pallas kernel at its default tiles only (the FP4 kernel also in `DECODE_LAYOUTS`), at decode
 and the large prefill (a re-measure after a kernel change).
 """
 
@@ -34,6 +35,9 @@ def _bf16(block_m, block_n, block_k, num_warps, num_stages) -> dict:
 
 
 WEIGHTS_LEFT = {"weights_left": True}
+SPLIT = {"split_by_scale_block": True}
+# The FP4 kernel's in-kernel decode layouts beside its defaults (kernel.BlockConfig), untimed.
+DECODE_LAYOUTS = (WEIGHTS_LEFT, SPLIT, WEIGHTS_LEFT | SPLIT)
 _fp4 = _bf16  # same keywords; the FP4 kernel's block_k counts both planes (block_k / 2 each)
 
 # (block_m, block_n, block_k, num_warps, num_stages) per phase, beside the defaults ({}): their
@@ -139,10 +143,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     }
     c.block_configs.prefill.fp4_bf16_act += ({"grid": "row_tiles"},)
     c.block_configs.prefill.fp4_nvfp4_act += ({"grid": "row_tiles"},)
-    # The default tiles with the decoded weights as the dots' left operand (kernel.BlockConfig).
+    # The default tiles with the other decode layouts (kernel.BlockConfig).
     for phase in BF16_SWEEP:
         for kernel in ("fp4_bf16_act", "fp4_nvfp4_act"):
-            c.block_configs[phase][kernel] += (WEIGHTS_LEFT,)
+            c.block_configs[phase][kernel] += DECODE_LAYOUTS
     if arg == "smoke":
         c.smoke = True
         c.experts, c.d_model, c.d_ff = 4, 64, 64
@@ -157,7 +161,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.block_configs = {
             "decode": {
                 "pallas_bf16": (bf16, failing),
-                "fp4_bf16_act": ({}, WEIGHTS_LEFT),
+                "fp4_bf16_act": ({}, WEIGHTS_LEFT | SPLIT),
                 "fp4_nvfp4_act": (row_tiles,),
                 "fp4_bf16_act_predecoded": ({},),
                 "fp4_nvfp4_act_predecoded": ({"block_m": 16},),
@@ -175,7 +179,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.phases = tuple(p for p in c.phases if p[0] in phases)
         c.block_configs = {
             p: {
-                k: ({}, WEIGHTS_LEFT) if k in ("fp4_bf16_act", "fp4_nvfp4_act") else ({},)
+                k: ({}, *DECODE_LAYOUTS) if k in ("fp4_bf16_act", "fp4_nvfp4_act") else ({},)
                 for k in c.block_configs[p]
             }
             for p in phases

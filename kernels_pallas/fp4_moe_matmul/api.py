@@ -101,6 +101,7 @@ def block_config(
     num_stages: int | None = None,
     grid: str | None = None,
     weights_left: bool | None = None,
+    split_by_scale_block: bool | None = None,
 ) -> BlockConfig:
     """The Pallas tiling for these operands: given values as they are (ValueError if they do not
     tile N and K or miss the formats' scale blocks), the rest from
@@ -116,6 +117,11 @@ def block_config(
         num_stages=num_stages,
         grid=grid or BlockConfig.grid,
         weights_left=BlockConfig.weights_left if weights_left is None else weights_left,
+        split_by_scale_block=(
+            BlockConfig.split_by_scale_block
+            if split_by_scale_block is None
+            else split_by_scale_block
+        ),
     )
     if given["grid"] == "row_tiles" and block_m is None:
         given["block_m"] = min(64, max(16, pl.next_power_of_2(m)))
@@ -158,10 +164,14 @@ def _run_scaled_matmul(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     return scaled.scaled_matmul_grouped(lhs, rhs, group_sizes, tile=tile, out_dtype=out_dtype)
 
 
+# The tiling keywords that describe the in-kernel decode only (`kernel.BlockConfig`).
+IN_KERNEL_DECODE_SETTINGS = ("grid", "weights_left", "split_by_scale_block")
+
+
 def _run_predecoded(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     """`predecoded.py` with the bf16 grouped matmul's tiles for these shapes (`grid` and
     `weights_left` describe the in-kernel decode: ValueError if given)."""
-    fp4_only = [f for f in ("grid", "weights_left") if tiling[f] is not None]
+    fp4_only = [f for f in IN_KERNEL_DECODE_SETTINGS if tiling[f] is not None]
     if fp4_only:
         raise ValueError(f"{', '.join(fp4_only)} apply to the in-kernel decode, not predecode=True")
     m, k = lhs.shape
@@ -239,6 +249,7 @@ def fp4_moe_matmul_with_implementation(
     num_stages: int | None = None,
     grid: str | None = None,
     weights_left: bool | None = None,
+    split_by_scale_block: bool | None = None,
     predecode: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
@@ -254,6 +265,7 @@ def fp4_moe_matmul_with_implementation(
         num_stages=num_stages,
         grid=grid,
         weights_left=weights_left,
+        split_by_scale_block=split_by_scale_block,
         predecode=predecode,
     )
 
@@ -278,6 +290,7 @@ def fp4_moe_matmul(
     num_stages: int | None = None,
     grid: str | None = None,
     weights_left: bool | None = None,
+    split_by_scale_block: bool | None = None,
     predecode: bool | None = None,
     interpret: common.Interpret = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
@@ -298,6 +311,8 @@ def fp4_moe_matmul(
       grid: Pallas program order, "row_tiles" or "groups" (default; see `kernel.GRID_ORDERS`).
       weights_left: the decoded weights as the tile dots' left operand (`kernel.BlockConfig`,
         the Triton kernel; None: off).
+      split_by_scale_block: the packed weights read split by scale block, the block scales
+        broadcast rather than expanded (`kernel.BlockConfig`, the Triton kernel; None: off).
       predecode: the Triton path decodes the weights in one pass before its call and runs the
         bf16 grouped matmul's grid over them (`predecoded.py`; block_* and the launch
         parameters are then that kernel's, see `grouped_matmul.block_config`); None:
@@ -321,6 +336,7 @@ def fp4_moe_matmul(
         num_stages=num_stages,
         grid=grid,
         weights_left=weights_left,
+        split_by_scale_block=split_by_scale_block,
         predecode=predecode,
         interpret=interpret,
         out_dtype=out_dtype,

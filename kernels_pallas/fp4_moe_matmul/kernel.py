@@ -52,20 +52,13 @@ after the dot, as two float32 multiplications. The reference instead rounds `cod
 * global_scale)` per element in float32, so the two agree to float32 summation error (see the
 tests' tolerance).
 
-GPU status: measured on the H200 (experiments/results/kernels_moe_matmul.md, 128 experts,
-K = 2048, N = 768, bf16 / NVFP4 activations, default tiles, side by side with the bf16 kernels):
-decode (M = 512) 0.110 / 0.104 ms a call, 4.0x / 3.8x its byte limit, 4.0x / 4.2x faster than
-bf16 `ragged_dot`; timed inside a device loop (no host dispatch per call) 0.089 / 0.080 ms,
-3.2x / 2.9x, 1.10x / 1.22x faster than the bf16 Pallas grouped matmul (0.098 ms, 1.01x its
-limit), the float16 decode after the loads being the cost (docs/kernels.md); prefill
-(M = 65536) 195 / 196 TFLOP/s, 30% of the dense bf16 rate (654). The
-activations are decoded once, before the call, to the 16-bit planes the kernel consumes: the
-expectation written before that change (NVFP4-activation decode 0.136 -> ~0.11 ms, prefill 157
--> ~196 TFLOP/s, the activations having been decoded in every N tile) was met (0.098 ms, 194).
-The same kernel with the E4M3 weight decode measured 0.145 / 0.241 ms and 176 / 106 TFLOP/s in
-an earlier run. The row-tile grid is 2.8x slower than the group-major one at M = 65536 and was 13x
-slower than `ragged_dot` at decode (history). JAX 0.11 marks the Pallas Triton backend
-deprecated in favour of Mosaic GPU.
+GPU status (H200, 128 experts, K = 2048, N = 768, default tiles; experiments/results/
+kernels_moe_matmul.md, the history and ablations in docs/kernels.md): decode (M = 512) 0.089 /
+0.080 ms inside a device loop with bf16 / NVFP4 activations, 3.2x / 2.9x its byte limit, 1.10x /
+1.22x faster than the bf16 Pallas grouped matmul (1.01x its limit): the float16 decode after the
+loads is the cost; prefill (M = 65536) 195 / 196 TFLOP/s, 30% of the dense bf16 rate (654).
+`weights_left` and `split_by_scale_block` are built and not yet timed. JAX 0.11 marks the Pallas
+Triton backend deprecated in favour of Mosaic GPU.
 
 Hopper-specific: FP4 decoded to float16 or bf16 for 16-bit tensor cores (Hopper has no FP4
 ones) by the word-level PTX (valid on any NVIDIA GPU, timed only on the H200), and
@@ -130,12 +123,17 @@ class BlockConfig:
     grid: str = "groups"
     # The decoded weights as each dot's left operand (`_tile_product`); off until measured.
     weights_left: bool = False
+    # The packed weights read split by scale block, [block_n, block_k / bs, bs / 2] (`_weight_
+    # planes`), so the block scales broadcast over the last axis instead of being expanded to a
+    # [block_n, block_k / 2] register tile; off until measured.
+    split_by_scale_block: bool = False
 
     def __post_init__(self):
         if self.grid not in GRID_ORDERS:
             raise ValueError(f"grid must be one of {GRID_ORDERS}, got {self.grid!r}")
-        if not isinstance(self.weights_left, bool):
-            raise ValueError(f"weights_left must be a bool, got {self.weights_left!r}")
+        for flag in ("weights_left", "split_by_scale_block"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             least = 2 * MIN_DOT_DIM if name == "block_k" else MIN_DOT_DIM  # K: two planes
@@ -268,6 +266,7 @@ class _Statics:
     out_dtype: jnp.dtype
     inline_asm: bool  # the weights' FP4 decode in PTX (compiled Triton only)
     weights_left: bool = False  # `BlockConfig.weights_left`
+    split_by_scale_block: bool = False  # `BlockConfig.split_by_scale_block`
 
     @property
     def dot_dtype(self) -> jnp.dtype:
@@ -318,9 +317,18 @@ def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
     """Even and odd K columns of expert g's weights at K offset k0, `st.dot_dtype` `[block_n,
     block_k/2]` each, times 2**-14 and the block scales (not the global scale)."""
     fmt = st.w_fmt
+    n_blocks = st.block_k // fmt.block_size
+    sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, n_blocks)]
+    if st.split_by_scale_block:  # codes ref [G, N, K / bs, bs / 2]: one row of bytes per block
+        packed = w_refs[0][g, :, pl.ds(pl.multiple_of(k0 // fmt.block_size, n_blocks), n_blocks)]
+        scales = decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt))[:, :, None]
+        bn = packed.shape[0]
+        return tuple(  # [bn, n_blocks, bs / 2] -> [bn, bk / 2]: contiguous axes merged
+            _scaled(plane, scales, st).reshape(bn, st.block_k // 2)
+            for plane in fp4_planes_as_f16(packed, inline_asm=st.inline_asm)
+        )
     half = pl.multiple_of(k0 // 2, st.block_k // 2)
     packed = w_refs[0][g, :, pl.ds(half, st.block_k // 2)]  # [bn, bk / 2]: byte i = (2i, 2i + 1)
-    sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, st.block_k // fmt.block_size)]
     scales = _expand_blocks(
         decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt)), fmt.block_size // 2
     )
@@ -422,6 +430,35 @@ def fp4_moe_matmul_pallas(
     )
 
 
+def _statics(lhs, rhs, config: BlockConfig, interpret: bool, out_dtype) -> _Statics:
+    m, k = lhs.shape
+    return _Statics(
+        m, k, config.block_m, config.block_n, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype,
+        not interpret, config.weights_left, config.split_by_scale_block,
+    )  # fmt: skip
+
+
+def _weight_operands(rhs: PackedFP4Weights, st: _Statics, index_map) -> tuple[list, list]:
+    """(operands, block specs) of the weights for the program's N tile: the packed codes
+    (`[G, N, K / 2]`, or `[G, N, K / bs, bs / 2]` split by scale block), the scale bits and
+    NVFP4's per-expert global scale. `index_map(j)`: the N tile's index from the program ids."""
+    g, n, k = rhs.shape
+    bn, bs = st.block_n, st.w_fmt.block_size
+    codes = rhs.codes
+    if st.split_by_scale_block:
+        codes = codes.reshape(g, n, k // bs, bs // 2)
+    operands = [codes, scale_bits(rhs.scales)]
+    trailing = (0,) * (codes.ndim - 2)
+    specs = [
+        pl.BlockSpec((g, bn, *codes.shape[2:]), lambda *ids: (0, index_map(*ids), *trailing)),
+        pl.BlockSpec((g, bn, k // bs), lambda *ids: (0, index_map(*ids), 0)),
+    ]
+    if rhs.fmt.has_global_scale:
+        operands.append(rhs.global_scale.reshape(g))
+        specs.append(pl.BlockSpec((g,), lambda *ids: (0,)))
+    return operands, specs
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
 def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     if config.grid == "groups":
@@ -430,26 +467,18 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
     g, n, _ = rhs.shape
     bm, bn = config.block_m, config.block_n
     num_tiles = pl.cdiv(m, bm)
-    st = _Statics(
-        m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret,
-        config.weights_left,
-    )  # fmt: skip
+    st = _statics(lhs, rhs, config, interpret, out_dtype)
 
     def whole(size):
         return pl.BlockSpec((size,), lambda i, j: (0,))
 
     bounds, first, end = tile_group_ranges(group_sizes, m, bm)
-    operands = [bounds, first, end, *_lhs_planes(lhs, st), rhs.codes, scale_bits(rhs.scales)]
+    w_operands, w_specs = _weight_operands(rhs, st, lambda i, j: j)
+    operands = [bounds, first, end, *_lhs_planes(lhs, st), *w_operands]
     in_specs = [whole(g + 1), whole(num_tiles), whole(num_tiles)]
     in_specs += [pl.BlockSpec((bm, k // 2), lambda i, j: (i, 0))] * 2  # row panels
     in_specs += [pl.BlockSpec((bm,), lambda i, j: (i,))] * (st.num_lhs_refs - 2)
-    in_specs += [
-        pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
-        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda i, j: (0, j, 0)),
-    ]
-    if rhs.fmt.has_global_scale:
-        operands.append(rhs.global_scale.reshape(g))
-        in_specs.append(whole(g))
+    in_specs += w_specs
 
     return pl.pallas_call(
         functools.partial(_kernel, st=st),
@@ -466,27 +495,16 @@ def _pallas_call(lhs, rhs, group_sizes, *, config, interpret, out_dtype):
 def _group_major_call(lhs, rhs, group_sizes, config, interpret, out_dtype):
     """The "groups" grid: `grouped_matmul.kernel.group_major_call` with the FP4 tile product."""
     m, k = lhs.shape
-    g, n, _ = rhs.shape
-    bm, bn = config.block_m, config.block_n
-    st = _Statics(
-        m, k, bm, bn, config.block_k, lhs_format(lhs), rhs.fmt, out_dtype, not interpret,
-        config.weights_left,
-    )  # fmt: skip
-    mp = padded_rows(m, bm)
+    n = rhs.shape[1]
+    st = _statics(lhs, rhs, config, interpret, out_dtype)
+    mp = padded_rows(m, config.block_m)
 
     def whole(*shape):
         return pl.BlockSpec(shape, lambda j, gi: (0,) * len(shape))
 
-    operands = [pad_rows(a, mp) for a in _lhs_planes(lhs, st)]
-    operands += [rhs.codes, scale_bits(rhs.scales)]
-    in_specs = [whole(mp, k // 2)] * 2 + [whole(mp)] * (st.num_lhs_refs - 2)
-    in_specs += [
-        pl.BlockSpec((g, bn, k // 2), lambda j, gi: (0, j, 0)),
-        pl.BlockSpec((g, bn, k // rhs.fmt.block_size), lambda j, gi: (0, j, 0)),
-    ]
-    if rhs.fmt.has_global_scale:
-        operands.append(rhs.global_scale.reshape(g))
-        in_specs.append(whole(g))
+    w_operands, w_specs = _weight_operands(rhs, st, lambda j, gi: j)
+    operands = [pad_rows(a, mp) for a in _lhs_planes(lhs, st)] + w_operands
+    in_specs = [whole(mp, k // 2)] * 2 + [whole(mp)] * (st.num_lhs_refs - 2) + w_specs
     out = group_major_call(
         functools.partial(_tile_product, st=st),
         operands,

@@ -67,7 +67,7 @@ def test_default_tiles_variant_times_each_kernel_at_its_defaults_at_decode_and_p
     for phase, _ in config.phases:
         kernels = config.block_configs[phase]
         assert set(kernels) == set(sweep.block_configs[phase]) == set(bench.SWEPT)
-        for kernel, configs in kernels.items():  # the FP4 kernel with weights_left as well
+        for kernel, configs in kernels.items():  # the FP4 kernel in every decode layout
             fp4 = kernel in bench.FP4
-            assert tuple(configs) == (({}, config_module.WEIGHTS_LEFT) if fp4 else ({},))
+            assert tuple(configs) == (({}, *config_module.DECODE_LAYOUTS) if fp4 else ({},))
     assert sorted(config.to_dict()) == sorted(sweep.to_dict())  # overrides stay valid

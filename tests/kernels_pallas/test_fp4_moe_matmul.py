@@ -57,6 +57,12 @@ GROUP_SIZES = {
 }
 W_FORMATS = [fp4.NVFP4, fp4.MXFP4]
 A_FORMATS = [None, fp4.MXFP4, fp4.NVFP4, fp4.MXFP8]  # None: bfloat16 activations
+# The in-kernel decode's layouts beside the default (`kernel.BlockConfig`), each off until timed.
+DECODE_LAYOUTS = [
+    {"weights_left": True},
+    {"split_by_scale_block": True},
+    {"weights_left": True, "split_by_scale_block": True},
+]
 
 
 def _id(fmt) -> str:
@@ -213,14 +219,14 @@ class TestPallasInterpretGroupMajor(TestPallasInterpret):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("weights_left", [False, True])
+@pytest.mark.parametrize("layout", [{}, *DECODE_LAYOUTS], ids=lambda d: "+".join(d) or "default")
 @pytest.mark.parametrize("grid", ["row_tiles", "groups"])
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, fp4.MXFP8)])
-def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid, weights_left):
+def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid, layout):
     """The kernel lowers to Triton IR for an (abstract) H200; this does not compile or run it."""
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
-    config = BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid, weights_left=weights_left)
+    config = BlockConfig(block_m=16, block_n=16, block_k=32, grid=grid, **layout)
     f = functools.partial(fp4_moe_matmul_pallas, config=config)
     assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
 
@@ -460,21 +466,27 @@ def test_bad_inputs_raise_clear_errors():
         run(lhs, rhs, gs, block_m=24)
 
 
+@pytest.mark.parametrize("layout", DECODE_LAYOUTS, ids=lambda d: "+".join(d))
 @pytest.mark.parametrize("grid", ["row_tiles", "groups"])
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, None)], ids=_id)
-def test_weights_as_the_left_operand_give_the_same_product(grid, w_fmt, a_fmt):
+def test_decode_layouts_give_the_same_product(grid, w_fmt, a_fmt, layout):
     """`weights_left` (the decoded weights as each tile dot's left operand, the accumulator
-    transposed) computes the reference's product on either grid, empty and ragged groups
-    included; the setting is validated."""
+    transposed) and `split_by_scale_block` (the codes read as `[block_n, block_k / bs, bs / 2]`,
+    the scales broadcast per block) compute the reference's product on either grid, empty and
+    ragged groups included; the settings are validated."""
     lhs, rhs = make_operands(w_fmt, a_fmt, seed=3)
-    tiling = dict(block_m=16, block_n=16, block_k=32, grid=grid, weights_left=True)
+    tiling = dict(block_m=16, block_n=16, block_k=32, grid=grid, **layout)
     for sizes in GROUP_SIZES.values():
         gs = jnp.asarray(sizes, jnp.int32)
         out = fp4_moe_matmul(
             lhs, rhs, gs, implementation="pallas", interpret=True, out_dtype=jnp.float32, **tiling
         )
         assert_matches_reference(out, lhs, rhs, gs, exact=False)
-    assert api.block_config(lhs, rhs, weights_left=True).weights_left
+    config = api.block_config(lhs, rhs, **layout)
+    assert all(getattr(config, flag) == value for flag, value in layout.items())
     assert not api.block_config(lhs, rhs).weights_left
+    assert not api.block_config(lhs, rhs).split_by_scale_block
     with pytest.raises(ValueError, match="weights_left must be a bool"):
         BlockConfig(weights_left=1)
+    with pytest.raises(ValueError, match="split_by_scale_block must be a bool"):
+        BlockConfig(split_by_scale_block="yes")
