@@ -2,7 +2,8 @@
 # After a queue (`AFTER=scripts/detached_jobs/after_untimed_kernels.sh`), on the idle GPU, the kernels
 # built and not yet timed, first the ones the rollout would switch to: the prefill chunks' flash
 # attention against XLA's (the kernel, then whole 8K-prompt rollouts with and without it); the
-# grouped expert matmul at its default tiles (the FP4 kernel also with `weights_left`, and beside
+# grouped expert matmul at its default tiles (the FP4 kernel also in its untimed decode layouts,
+# `weights_left` and `split_by_scale_block`, and beside
 # its twin that decodes the weights before the call, `*_predecoded`); the FP4 decode ablation's
 # load, float16-decode and bf16 bodies (the latter two also with the weights as the dots' left
 # operand), each timed per call and inside one device loop (`loop_ms` / `loop_us`: below the
