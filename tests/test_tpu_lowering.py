@@ -5,13 +5,15 @@ rollout, the guided GRPO step, and both on a (data, expert) mesh.
 `lower(lowering_platforms=("tpu",))` runs Mosaic's own passes, so each program is the one a TPU
 would compile (nothing runs). A Mosaic kernel is a `tpu_custom_call` that carries its
 `kernel_name`: the fused quantize "fp4_quantize_mosaic", the FP4 MoE matmul
-"fp4_moe_matmul_mosaic", the FP4 decode attention "fp4_decode_attn_mosaic"; megablox's `gmm`
+"fp4_moe_matmul_mosaic", the FP4 decode attention "fp4_decode_attn_mosaic", the prefill flash
+attention "prefill_attention_mosaic"; megablox's `gmm`
 names its kernel "kernel", inside the function of its jit, `gmm`.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import jax
@@ -141,6 +143,20 @@ def test_fp4_rollout_lowers_with_every_mosaic_kernel(rollout):
     assert set(mosaic_kernels(text)) == ROLLOUT_KERNELS
     assert "ragged_dot" not in text and "gpu.triton" not in text
     assert set(traced.out_info.guidance) == set(SETUP.capture)
+
+
+def test_prefill_chunks_attend_by_the_mosaic_flash_kernel(mesh):
+    """With `prefill_attention="auto"` the rollout's prefill chunks attend by the Mosaic flash
+    kernel beside the other rollout kernels (decode steps keep the FP4 decode attention), on one
+    device and on a data x expert mesh (in a shard_map: each device attends its own rows)."""
+    model = init_model(dataclasses.replace(CFG, prefill_attention="auto"), seed=0)
+    _, text = _lower_rollout(model, *_prompts())
+    assert set(mosaic_kernels(text)) == ROLLOUT_KERNELS | {"prefill_attention_mosaic"}
+    shard_model(model, mesh)
+    with mesh_context(mesh):
+        _, text = _lower_rollout(model, *shard_batch(_prompts(), mesh, BATCH))
+    assert "sdy.manual_computation" in text
+    assert set(mosaic_kernels(text)) == ROLLOUT_KERNELS | {"prefill_attention_mosaic"}
 
 
 def test_guided_train_step_lowers_with_megablox_only(rollout):

@@ -3,10 +3,12 @@
     out = prefill_attention(q, k, v, positions, kv_lengths)   # q [B, T, Hkv, G, Dh] -> same shape
 
 Files: `reference.py` (checks, the float32 XLA reference), `kernel.py` (Pallas, Triton lowering;
-its docstring has the design), `api.py` (the op's interface: implementation choice with fallback).
+its docstring has the design), `mosaic.py` (Pallas, Mosaic lowering for TPUs), `api.py` (the op's
+interface: implementation and lowering choice with fallback).
 
-Status: tested in interpret mode against the reference and in the Triton lowering; not yet run on a
-GPU, so nothing about its speed is measured. No Mosaic (TPU) kernel: there the reference runs.
+Status: both kernels tested in interpret mode against a float64 reference and in their lowerings
+(Triton for an H200, Mosaic for a TPU); neither has run on its hardware yet, so nothing about
+their speed is measured.
 """
 
 from kernels_pallas.prefill_attention.api import block_config, prefill_attention

@@ -1,21 +1,24 @@
 """`prefill_attention`: the op's one public interface; tries implementations in order, moving on
 at NotImplementedError, the XLA reference last.
 
-Implementations (`kernels_pallas.common.Implementation`): "pallas", `kernel.py`'s flash attention
-through Triton (an NVIDIA GPU, or interpret=True; NotImplementedError through Mosaic, where no
-kernel exists yet, and for a head_dim that is no power of two >= 16), and "xla",
-`reference.prefill_attention_reference` (jitted). The default (`implementation=None`) is
-("pallas", "xla") where Pallas compiles natively and the reference alone elsewhere.
+Implementations (`kernels_pallas.common.Implementation`): "pallas", the flash attention of
+`kernel.py` through Triton (an NVIDIA GPU, or interpret=True; NotImplementedError for a head_dim
+that is no power of two >= 16) or of `mosaic.py` through Mosaic (a TPU, or interpret=
+`pltpu.InterpretParams()`), and "xla", `reference.prefill_attention_reference` (jitted). The
+default (`implementation=None`) is ("pallas", "xla") where Pallas compiles natively and the
+reference alone elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
 from kernels_pallas.common import Implementation, ImplementationLike, Interpret
-from kernels_pallas.prefill_attention import kernel, reference
+from kernels_pallas.prefill_attention import kernel, mosaic, reference
 
 reference_jit = jax.jit(reference.prefill_attention_reference)
 
@@ -61,9 +64,11 @@ def prefill_attention(
       kv_lengths: int32 `[B]`, valid slots per row (clipped to S).
       implementation: None | "pallas" | "xla", or a sequence of them (module docstring).
       block_r, block_s, num_warps, num_stages: the Pallas tiling (`kernel.BlockConfig`; None:
-        `kernel.default_block_config`).
-      interpret: None (native, or the `common.interpreting` context's choice) or True (the
-        Triton kernel interpreted); see `common.pallas_target`.
+        `kernel.default_block_config`); through Mosaic block_r and block_s only
+        (`mosaic.mosaic_tiling`: multiples of 16 rows and 128 slots).
+      interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
+        kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
+        `common.pallas_target`.
 
     Returns `[B, T, Hkv, G, Dh]` in q's dtype, float32 scores and softmax. A query that sees no
     slot (kv_lengths 0) gives zeros from the kernel and the mean of V from the reference.
@@ -73,8 +78,12 @@ def prefill_attention(
 
     def run_pallas():
         target = common.pallas_target(interpret)
-        if target.lowering is not common.Lowering.TRITON:
-            raise NotImplementedError("prefill_attention has a Triton kernel only")
+        if target.lowering is common.Lowering.MOSAIC:
+            tiling = mosaic.mosaic_tiling(t * g, s, block_r, block_s)
+            call = functools.partial(
+                mosaic.prefill_attention_mosaic, tiling=tiling, interpret=target.interpret
+            )  # rows are independent: on a mesh, each device attends its own
+            return common.per_device(call, q, k, v, positions, kv_lengths, split_leading=True)
         if dh < kernel.MIN_BLOCK or dh & (dh - 1):
             raise NotImplementedError(f"the Triton kernel needs a power-of-two head_dim, got {dh}")
         config = block_config(t * g, s, **tiles)

@@ -124,8 +124,6 @@ def test_bad_inputs_raise_clear_errors():
         run(q, k, v, positions, kv_lengths[:2])
     with pytest.raises(ValueError, match="block_s must be a power of two >= 16"):
         run(q, k, v, positions, kv_lengths, block_s=24)
-    with pytest.raises(NotImplementedError, match="Triton kernel only"):
-        run(q, k, v, positions, kv_lengths, interpret=pltpu.InterpretParams())
     odd = (q[..., :24], k[..., :24], v[..., :24], positions, kv_lengths)
     with pytest.raises(NotImplementedError, match="power-of-two head_dim"):
         run(*odd)
@@ -140,3 +138,52 @@ def test_lowers_to_triton_for_h200():
     assert_lowers_to_triton_for_h200(
         functools.partial(prefill_attention_pallas, config=config), *ops
     )
+
+
+MOSAIC = dict(interpret=pltpu.InterpretParams(), block_r=16, block_s=128)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_mosaic_kernel_matches_float64_reference(dtype):
+    """The Mosaic kernel with TPU semantics: 3 row tiles of 16 rows (48 rows, the last one
+    padded), a cache of 200 slots in two 128-slot blocks (the edge block padded), row 2's last
+    tile reaching one slot into the second block; row 2's kv_lengths past S."""
+    q, _, _, positions, _ = operands(dtype)
+    kk, kv = jax.random.split(jax.random.key(9))
+    k = jax.random.normal(kk, (B, 200, HKV, DH), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, 200, HKV, DH), jnp.float32).astype(dtype)
+    # Row 2's last tile ends at position 128, the second block's first slot.
+    positions = positions.at[2].set(117 + jnp.arange(T, dtype=jnp.int32))
+    kv_lengths = jnp.asarray([9, 17, 300], jnp.int32)
+    ops = (q, k, v, positions, kv_lengths)
+    out = prefill_attention(*ops, implementation="pallas", **MOSAIC)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, (q, k, v, positions, jnp.minimum(kv_lengths, 200)), dtype)
+
+
+def test_mosaic_kernel_default_tiles_and_an_empty_row():
+    q, k, v, positions, _ = operands(jnp.float32, seed=4)
+    kv_lengths = jnp.asarray([0, 17, 40], jnp.int32)
+    out = np.asarray(prefill_attention(q, k, v, positions, kv_lengths, implementation="pallas",
+                                       interpret=pltpu.InterpretParams()))  # fmt: skip
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert_close(out[1:], (q[1:], k[1:], v[1:], positions[1:], kv_lengths[1:]), jnp.float32)
+    with pytest.raises(ValueError, match="block_s must be a positive multiple of 128"):
+        prefill_attention(
+            q, k, v, positions, kv_lengths, **(MOSAIC | {"block_s": 64}), implementation="pallas"
+        )
+    with pytest.raises(ValueError, match="block_r must be a positive multiple of 16"):
+        prefill_attention(
+            q, k, v, positions, kv_lengths, **(MOSAIC | {"block_r": 8}), implementation="pallas"
+        )
+
+
+def test_mosaic_kernel_lowers_for_a_tpu():
+    """Built for a TPU, the op is one `tpu_custom_call` named for the kernel (nothing runs)."""
+    from kernels_pallas import common
+
+    ops = operands(jnp.bfloat16)
+    with common.lowering_for("tpu"):
+        lowered = jax.jit(prefill_attention).trace(*ops).lower(lowering_platforms=("tpu",))
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") == 1 and 'kernel_name = "prefill_attention_mosaic"' in text

@@ -193,12 +193,13 @@ def test_expert_matmul_leads_with_native_fp4_where_the_gpu_has_it(
 
 
 @pytest.mark.parametrize(
-    ("platform", "auto"), [("cpu", ("xla",)), ("gpu", ("pallas", "xla")), ("tpu", ("xla",))]
+    ("platform", "auto"),
+    [("cpu", ("xla",)), ("gpu", ("pallas", "xla")), ("tpu", ("pallas", "xla"))],
 )
-def test_prefill_attention_auto_is_the_kernel_where_triton_compiles_it(platform, auto):
-    """ "auto": the flash kernel on a GPU; elsewhere (the CPU, a TPU, where the op has no Mosaic
-    kernel) XLA's attention; "pallas" is `kernel_order`'s (an error on the CPU unless
-    interpreted); "xla" is XLA's everywhere."""
+def test_prefill_attention_auto_is_the_kernel_where_pallas_compiles(platform, auto):
+    """The "auto" setting: the flash kernel on a GPU or a TPU, XLA's attention on the CPU;
+    "pallas" is `kernel_order`'s (an error on the CPU unless interpreted); "xla" is XLA's
+    everywhere."""
     with common.lowering_for(platform):
         assert prefill_attention_order("auto") == auto
         assert prefill_attention_order("xla") == ("xla",)

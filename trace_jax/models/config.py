@@ -195,11 +195,10 @@ PREFILL_ATTENTION = ("xla", "pallas", "auto")
 def prefill_attention_order(setting: str) -> tuple[Implementation, ...]:
     """The `implementation=` a prefill chunk's attention passes to `kernels_pallas.
     prefill_attention` for `ModelConfig.prefill_attention`: "xla" the reference; "pallas" the
-    kernel (`kernel_order`); "auto" the kernel where Triton compiles it natively (a GPU), else the
-    reference (on a TPU the op has no Mosaic kernel)."""
+    kernel (`kernel_order`); "auto" the kernel where Pallas compiles natively (a GPU: Triton, a
+    TPU: Mosaic), else the reference."""
     if setting == "auto":
-        native = common.native_lowering() is common.Lowering.TRITON
-        setting = "pallas" if native else "xla"
+        setting = "pallas" if common.native_lowering() else "xla"
     return kernel_order(Implementation(setting))
 
 
@@ -232,9 +231,9 @@ class ModelConfig:
       prefill_attention: the attention of a prefill chunk over the KV cache (several new
         tokens against the cache: `forward_cached`), "xla" (`attention.attend`: float32 scores
         of a block of queries against every slot), "pallas" (`kernels_pallas.prefill_attention`:
-        flash attention, Triton; the op's reference where Pallas does not compile and no
-        interpretation is asked for is an error, as for every "pallas") or "auto" ("pallas" on
-        a GPU, "xla" elsewhere). Decode steps and the trainer's forward are not affected.
+        flash attention, Triton or Mosaic; where Pallas does not compile and no interpretation
+        is asked for, an error, as for every "pallas") or "auto" ("pallas" on a GPU or a TPU,
+        "xla" elsewhere). Decode steps and the trainer's forward are not affected.
       remat: recompute each block's activations in the backward pass from the block's input
         (`nnx.remat` per block) instead of keeping them: a training step's activation memory
         falls from every block's (attention scores [B, H, T, T] among them) to about one
