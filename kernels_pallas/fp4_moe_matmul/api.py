@@ -10,8 +10,8 @@ Implementations, in the order the default (`implementation=None`) tries them on 
     TPU, or interpret=`pltpu.InterpretParams()`; block_m, block_n, block_k as given, the Triton
     launch options num_warps, num_stages and grid ignored).
     With `predecode=True` (and by default with many rows per expert once `PREDECODE_BY_DEFAULT`
-    is set: `predecode_by_default`) the Triton path decodes the weights once, before its call,
-    and runs the bf16 grouped matmul's grid over them (`predecoded.py`).
+    is set: `predecode_by_default`) the weights are decoded once, before the call, and the bf16
+    grouped matmul runs over them (`predecoded.py`: the Triton grid, or megablox on a TPU).
   * "xla": `reference.fp4_moe_matmul_reference`.
 On a TPU the default is ("pallas", "xla"); where Pallas does not compile, the reference alone
 (`kernels_pallas.common.implementation_order`). A named implementation runs alone and its errors
@@ -37,7 +37,10 @@ from kernels_pallas.fp4_moe_matmul.kernel import (
     fp4_moe_matmul_pallas,
     lhs_format,
 )
-from kernels_pallas.fp4_moe_matmul.predecoded import fp4_moe_matmul_predecoded
+from kernels_pallas.fp4_moe_matmul.predecoded import (
+    fp4_moe_matmul_predecoded,
+    fp4_moe_matmul_predecoded_mosaic,
+)
 from kernels_pallas.fp4_moe_matmul.reference import (
     Lhs,
     PackedFP4Weights,
@@ -191,7 +194,19 @@ def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     predecode = tiling.pop("predecode")
     if target.lowering is common.Lowering.MOSAIC:
         if predecode:
-            raise NotImplementedError("predecode=True runs through Triton only")
+            m, k = lhs.shape
+            tiles = grouped_api.megablox_tiling(
+                m, k, rhs.shape[1], jnp.bfloat16,
+                **{f: tiling[f] for f in ("block_m", "block_n", "block_k")},
+            )  # fmt: skip
+
+            def predecoded_matmul(lhs, rhs, group_sizes):
+                return fp4_moe_matmul_predecoded_mosaic(
+                    lhs, rhs, group_sizes, tiling=tiles, interpret=target.interpret,
+                    out_dtype=out_dtype,
+                )  # fmt: skip
+
+            return common.per_device(predecoded_matmul, lhs, rhs, group_sizes)
         from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
 
         tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None}
@@ -313,10 +328,11 @@ def fp4_moe_matmul(
         the Triton kernel; None: off).
       split_by_scale_block: the packed weights read split by scale block, the block scales
         broadcast rather than expanded (`kernel.BlockConfig`, the Triton kernel; None: off).
-      predecode: the Triton path decodes the weights in one pass before its call and runs the
-        bf16 grouped matmul's grid over them (`predecoded.py`; block_* and the launch
-        parameters are then that kernel's, see `grouped_matmul.block_config`); None:
-        `predecode_by_default` (prefill-sized calls). NotImplementedError with Mosaic.
+      predecode: decode the weights in one pass before the call and run the bf16 grouped
+        matmul over them (`predecoded.py`: Triton, the bf16 kernel's grid with the FP4 epilogue
+        fused, block_* and the launch parameters then that kernel's, `grouped_matmul.
+        block_config`; Mosaic, megablox `gmm` and the epilogue in XLA, block_* its tiles);
+        None: `predecode_by_default` (prefill-sized calls, once enabled).
       interpret: None (native, or the `common.interpreting` context's choice), True (the Triton
         kernel interpreted) or `pltpu.InterpretParams` (the Mosaic kernel interpreted); see
         `common.pallas_target`.

@@ -1,5 +1,6 @@
 """The FP4 MoE matmul for many rows per expert (prefill): the packed weights decoded once per call
-to 16-bit dot operands, then the bf16 grouped matmul's program grid over them (Triton lowering).
+to 16-bit dot operands, then the bf16 grouped matmul's program grid over them (Triton lowering),
+or megablox's `gmm` over them (Mosaic lowering, `fp4_moe_matmul_predecoded_mosaic`).
 
 Why. At prefill each weight tile meets hundreds of rows, so the product is bound by the tensor
 cores, not by bytes, and `kernel.py`'s in-kernel decode, done again for every row tile, is work
@@ -35,6 +36,7 @@ from kernels_pallas.fp4_moe_matmul.kernel import (
     lhs_format,
 )
 from kernels_pallas.fp4_moe_matmul.reference import Lhs, PackedFP4Weights
+from kernels_pallas.grouped_matmul.api import grouped_matmul_megablox
 from kernels_pallas.grouped_matmul.kernel import (
     BlockConfig,
     dot_tile_product,
@@ -140,3 +142,33 @@ def fp4_moe_matmul_predecoded(
         name="fp4_moe_matmul_predecoded",
     )
     return out[:m]
+
+
+def fp4_moe_matmul_predecoded_mosaic(
+    lhs: Lhs,
+    rhs: PackedFP4Weights,
+    group_sizes: jax.Array,
+    *,
+    tiling: tuple[int, int, int],
+    interpret=None,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> jax.Array:
+    """The same product on a TPU: both operands decoded in XLA to bfloat16 (exact, as in the
+    Triton path: at most 6 significant bits, float32's exponent range; megablox takes no
+    float16), megablox `gmm` over them with float32 output (`grouped_matmul_megablox`, `tiling`
+    its `megablox_tiling`; rows past the groups 0), then the epilogue in XLA in the Triton
+    kernel's order: the 2**-14 factors, each row's expert global scale, the rows' own.
+    `interpret`: None (compiled for a TPU) or `pltpu.InterpretParams`."""
+    m, g = lhs.shape[0], rhs.shape[0]
+    a, row_scale = decoded_lhs(lhs, jnp.dtype(jnp.bfloat16))
+    w = decoded_weights(rhs, jnp.dtype(jnp.bfloat16))
+    out = grouped_matmul_megablox(
+        a, w, group_sizes, tiling=tiling, interpret=interpret, out_dtype=jnp.float32
+    )
+    out = out * decode_unscale(lhs_format(lhs))
+    if rhs.global_scale is not None:  # rows past the groups take the last expert's: they are 0
+        expert = jnp.repeat(jnp.arange(g), group_sizes, total_repeat_length=m)
+        out = out * rhs.global_scale.reshape(g)[expert][:, None]
+    if row_scale is not None:
+        out = out * row_scale[:, None]
+    return out.astype(out_dtype)

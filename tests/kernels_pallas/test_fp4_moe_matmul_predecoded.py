@@ -43,6 +43,27 @@ class TestPredecodedInterpret(_Cases):
     tiling: ClassVar[dict] = TILES | dict(predecode=True, interpret=True)
 
 
+class TestPredecodedMosaicInterpret(_Cases):
+    """The TPU form (megablox `gmm` over the decoded operands, the epilogue in XLA) with TPU
+    semantics: the same cases, megablox's own tiles (N = 32 and K = 64 whole)."""
+
+    implementation = "pallas"
+    tiling: ClassVar[dict] = dict(predecode=True, interpret=pltpu.InterpretParams())
+
+
+def test_predecoded_mosaic_lowers_to_megablox_for_a_tpu():
+    """Built for a TPU with `predecode=True` the op is megablox's `gmm` kernel alone (no FP4
+    Mosaic kernel: the weights were decoded before it)."""
+    from kernels_pallas import common
+
+    lhs, rhs = make_operands(fp4.NVFP4, fp4.NVFP4)
+    gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
+    f = functools.partial(fp4_moe_matmul, implementation="pallas", predecode=True)
+    with common.lowering_for("tpu"):
+        text = jax.jit(f).trace(lhs, rhs, gs).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 and "fp4_moe_matmul_mosaic" not in text
+
+
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), WIDE_RANGE_FORMATS, ids=_id)
 def test_operands_across_their_formats_range(w_fmt, a_fmt):
     """Decoded once in XLA, every operand is still exact in the dot dtype across its format's
@@ -97,8 +118,6 @@ def test_predecoded_settings_are_checked():
         run(lhs, rhs, gs, interpret=True, weights_left=True)
     with pytest.raises(ValueError, match="block_n=64 must divide N=32"):
         run(lhs, rhs, gs, interpret=True, block_n=64)
-    with pytest.raises(NotImplementedError, match="Triton only"):
-        run(lhs, rhs, gs, interpret=pltpu.InterpretParams())
     no_rows = run(jnp.zeros((0, K), jnp.bfloat16), rhs, jnp.zeros((G,), jnp.int32), interpret=True)
     assert no_rows.shape == (0, N) and no_rows.dtype == jnp.bfloat16
 
