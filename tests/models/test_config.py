@@ -15,6 +15,7 @@ from trace_jax.models import (
     abstract_model,
     active_param_count,
     expert_kernel_order,
+    init_model,
     kernel_order,
     param_count,
     resolve_implementation,
@@ -208,3 +209,11 @@ def test_prefill_attention_auto_is_the_kernel_where_pallas_compiles(platform, au
     with pytest.raises(common.PallasUnavailableError):
         prefill_attention_order("pallas")
     assert ModelConfig.tiny().prefill_attention == "xla"  # until timed on a GPU
+
+
+def test_prefill_attention_setting_leaves_the_forward_alone():
+    """ "pallas" concerns prefill chunks only: the teacher-forced forward (the trainer's) runs on
+    the CPU without interpretation, where asking for the kernel would raise."""
+    cfg = ModelConfig.tiny(n_layers=1, prefill_attention="pallas")
+    logits, _ = init_model(cfg, seed=0)(jnp.ones((1, 4), jnp.int32))
+    assert logits.shape == (1, 4, cfg.vocab_size)

@@ -345,8 +345,10 @@ class Attention(nnx.Module):
             k, v = cache_read(cache, dt)
         b, t = q.shape[:2]
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-        order = prefill_attention_order(cfg.prefill_attention)
-        if isinstance(mask, CacheMask) and t > 1 and order[0] is Implementation.PALLAS:
+        # Only a prefill chunk asks for its kernel (a "pallas" setting raises where none runs).
+        chunk = isinstance(mask, CacheMask) and t > 1 and cfg.prefill_attention != "xla"
+        order = prefill_attention_order(cfg.prefill_attention) if chunk else ()
+        if order and order[0] is Implementation.PALLAS:
             out = prefill_attention(
                 q, k.astype(dt), v.astype(dt), mask.positions, mask.lengths, implementation=order
             )
