@@ -1,6 +1,14 @@
 r"""Prefill attention over the KV cache: the flash kernel (`kernels_pallas.prefill_attention`)
 against the model's XLA attention (`trace_jax.models.attention.attend` over `cache_mask`, queries
-in blocks of `QUERY_BLOCK`), and the dense bf16 matmul rate of the same run.
+in blocks of `QUERY_BLOCK`), two library flash attentions as the best available baselines, and
+the dense bf16 matmul rate of the same run.
+
+Baselines (a chunk of whole prompts from position 0 sees exactly the first P slots, causally,
+which is all they can express): `cudnn`, `jax.nn.dot_product_attention(implementation="cudnn",
+is_causal=True)` over those slots (grouped heads natively); `jax_mha`, jax's own Pallas Triton
+flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, deprecated in favour of
+tokamax, which does not run on this jax), K/V repeated to the query heads outside it (that copy
+timed with it). A baseline that fails (no cuDNN, an unsupported shape) is a row with its error.
 
 Per shape (rows, prompt tokens P, new slots): a chunk of whole prompts at positions 0..P-1 in a
 cache of P + new slots, bf16 q [rows, P, Hkv, G, Dh] and k, v. Every kernel tiling of
@@ -24,11 +32,12 @@ from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import harness, timing
+from kernels_pallas import common as kernel_common
 from kernels_pallas.prefill_attention import prefill_attention
 from trace_jax.models.attention import QUERY_BLOCK, attend, cache_mask
 
 COLUMNS = ["rows", "prompt", "slots", "kernel", "ms", "tflops", "frac_of_dense"]
-COLUMNS += ["speedup_vs_xla", "rel_err", "tiling"]
+COLUMNS += ["speedup_vs_xla", "rel_err", "tiling", "error"]
 
 
 def operands(config: ConfigDict, rows: int, prompt: int, new: int) -> tuple:
@@ -47,6 +56,30 @@ def xla_attention(q, k, v, positions, kv_lengths):
     """The model's attention of a prefill chunk over the cache (`Attention` with a cache)."""
     mask = cache_mask(positions, kv_lengths, k.shape[1])
     return attend(q, k, v, mask, query_block=QUERY_BLOCK)
+
+
+def cudnn_attention(q, k, v, positions, kv_lengths):
+    """cuDNN's fused attention over the first P slots, causal (whole prompts from position 0)."""
+    del positions, kv_lengths
+    b, p, hkv, g, dh = q.shape
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, p, hkv * g, dh), k[:, :p], v[:, :p], is_causal=True, implementation="cudnn"
+    )
+    return out.reshape(q.shape)
+
+
+def jax_mha_attention(q, k, v, positions, kv_lengths, *, interpret: bool = False):
+    """jax's Pallas Triton flash attention over the first P slots, causal, K/V heads repeated."""
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    del positions, kv_lengths
+    b, p, hkv, g, dh = q.shape
+    k, v = (jnp.repeat(a[:, :p], g, axis=2) for a in (k, v))  # [B, P, H, Dh]
+    out = jax_attention.mha(
+        q.reshape(b, p, hkv * g, dh), k, v, None, sm_scale=dh**-0.5, causal=True,
+        interpret=interpret,
+    )  # fmt: skip
+    return out.reshape(q.shape)
 
 
 def causal_flops(config: ConfigDict, rows: int, prompt: int) -> float:
@@ -81,16 +114,30 @@ def measure_shape(config: ConfigDict, rows: int, prompt: int, new: int, dense_s:
     calls = {"xla": (xla_attention, ops)}
     if best is not None:
         calls["pallas"] = (best[1], ops)
+    interpret = kernel_common.native_lowering() is None  # the smoke run: Pallas interpreted
+    baselines = {
+        "cudnn": cudnn_attention,
+        "jax_mha": functools.partial(jax_mha_attention, interpret=interpret),
+    }
+    errors = {}
+    for name, fn in baselines.items():
+        try:  # compiled and checked here; a failure is a row with its error
+            errors[name] = relative_error(jax.jit(fn)(*ops), ref)
+            calls[name] = (fn, ops)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            logging.info("%s: %s", name, errors[name])
     trials = dict(inner=1, trials=1, warmup=1) if config.smoke else dict(inner=5, trials=3)
     by_round = timing.time_interleaved(calls, rounds=config.rounds, **trials)
     ms = {name: 1e3 * statistics.median(t) for name, t in by_round.items()}
     flops = causal_flops(config, rows, prompt)
     dense_tflops = 2 * config.dense_size**3 / dense_s / 1e12
     table = []
-    for name in ("xla", "pallas"):
+    for name in ("xla", "pallas", *baselines):
         row = {"rows": rows, "prompt": prompt, "slots": prompt + new, "kernel": name}
         if name not in ms:
-            table.append({**row, "error": "every tiling failed (see the sweep)"})
+            failed = "every tiling failed (see the sweep)" if name == "pallas" else errors[name]
+            table.append({**row, "error": failed})
             continue
         row |= {"ms": ms[name], "ms_by_round": [1e3 * t for t in by_round[name]]}
         row["tflops"] = flops / (ms[name] / 1e3) / 1e12
@@ -98,6 +145,8 @@ def measure_shape(config: ConfigDict, rows: int, prompt: int, new: int, dense_s:
         row["speedup_vs_xla"] = ms["xla"] / ms[name]
         if name == "pallas":
             row |= {"rel_err": best[0]["rel_err"], "tiling": best[0]["tiling"]}
+        elif name in baselines:
+            row["rel_err"] = errors[name]
         table.append(row)
     return table, sweep
 
