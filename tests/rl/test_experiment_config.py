@@ -129,6 +129,18 @@ def test_model_spec_builds_its_preset_with_the_shape_fields_that_are_set():
         ModelSpec(preset="huge")
 
 
+def test_model_section_sets_the_prefill_attention():
+    """`--config.model.prefill_attention=auto` reaches the model (the rollouts' prefill chunks);
+    a setting the model refuses is named under the section's field."""
+    cd = tiny_cpu.get_config()
+    assert ExperimentConfig.from_config_dict(cd).model.prefill_attention == "xla"
+    cd.model.prefill_attention = "auto"
+    assert ExperimentConfig.from_config_dict(cd).model.prefill_attention == "auto"
+    cd.model.prefill_attention = "cudnn"
+    with pytest.raises(ValueError, match=r"model\.prefill_attention.*gives no model"):
+        ExperimentConfig.from_config_dict(cd)
+
+
 def test_guided_layer_spec_reaches_the_method_setup():
     cd = tiny_cpu.get_config()
     half = ExperimentConfig.from_config_dict(cd).method_setup().capture

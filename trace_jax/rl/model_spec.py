@@ -22,20 +22,23 @@ MODEL_PRESETS = {
 class ModelSpec:
     """The `model` section: a `ModelConfig` preset and the fields an experiment overrides.
 
-    preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul, remat: as `ModelConfig`'s
-      fields (remat: the training step recomputes each block's activations, for long rows).
+    preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul, prefill_attention, remat: as
+      `ModelConfig`'s fields (prefill_attention: the rollouts' prefill chunks; remat: the
+      training step recomputes each block's activations, for long rows).
     n_layers: the preset's decoder-block count unless set (tests cut `tiny` to 2 blocks).
     head_dim: the preset's per-head width unless set (the benchmarks' CPU smoke runs widen it).
     hf_dir: a Hugging Face Qwen3-MoE checkpoint directory (config.json and safetensors weights),
       or "". When set, the model is its config.json's (`ModelConfig.from_hf_config`, this
-      spec's grouped_matmul and remat, the presets' compute and parameter dtypes) and the policy
-      starts from its weights (`trace_jax.rl.workers.initial_model`); preset and init_std are
-      unused, and n_layers / head_dim are refused (the checkpoint fixes the shapes).
+      spec's grouped_matmul, prefill_attention and remat, the presets' compute and parameter
+      dtypes) and the policy starts from its weights (`trace_jax.rl.workers.initial_model`);
+      preset and init_std are unused, and n_layers / head_dim are refused (the checkpoint fixes
+      the shapes).
     """
 
     preset: str = "tiny"
     init_std: float = ModelConfig.init_std
     grouped_matmul: str = ModelConfig.grouped_matmul
+    prefill_attention: str = ModelConfig.prefill_attention
     remat: bool = False
     n_layers: int | None = None
     head_dim: int | None = None
@@ -68,16 +71,16 @@ class ModelSpec:
 
     def build(self) -> ModelConfig:
         """The `ModelConfig` this spec names (its own checks reject bad overrides)."""
+        kernels = dict(
+            grouped_matmul=self.grouped_matmul,
+            prefill_attention=self.prefill_attention,
+            remat=self.remat,
+        )
         if self.hf_dir:
-            return read_hf_config(self.hf_dir, grouped_matmul=self.grouped_matmul, remat=self.remat)
+            return read_hf_config(self.hf_dir, **kernels)
         shape = {"n_layers": self.n_layers, "head_dim": self.head_dim}
         overrides = {k: v for k, v in shape.items() if v is not None}
-        return MODEL_PRESETS[self.preset](
-            init_std=self.init_std,
-            grouped_matmul=self.grouped_matmul,
-            remat=self.remat,
-            **overrides,
-        )
+        return MODEL_PRESETS[self.preset](init_std=self.init_std, **kernels, **overrides)
 
 
 def check_hf_dir(directory: str) -> None:
