@@ -356,3 +356,33 @@ def test_adopted_runs_keep_only_a_provably_equal_sft_start(
     run = root / "table1_nvfp4" / "qarl" / "seed0"
     assert (run / queue.ADOPTED_NOTE).exists() == (not rerun)
     assert ("earlier" in (run / "rl_eval.jsonl").read_text()) == (not rerun)
+
+
+REFUSES_DETERMINISM = (
+    "import os, sys\n"
+    "flags = os.environ.get('XLA_FLAGS', '')\n"
+    "print('flags:', flags)\n"
+    "deterministic = '--xla_gpu_deterministic_ops=true' in flags\n"
+    "sys.exit(int(sys.argv[1] if deterministic else sys.argv[2]))\n"
+)
+
+
+@pytest.mark.parametrize("without_flags_rc", [0, 4])
+def test_sft_stage_runs_again_without_the_deterministic_flags_when_they_fail(
+    tmp_path, without_flags_rc
+):
+    """A stage that fails with `SFT_XLA_FLAGS` runs again without them (its first log kept);
+    a failure without them too is the stage's error."""
+    cmd = [sys.executable, "-c", REFUSES_DETERMINISM, "3", str(without_flags_rc)]
+    if without_flags_rc:
+        with pytest.raises(subprocess.CalledProcessError):
+            queue.run_sft_stage(cmd, str(tmp_path), None)
+    else:
+        queue.run_sft_stage(cmd, str(tmp_path), None)
+    logs = tmp_path / "logs"
+    assert "--xla_gpu_deterministic_ops=true" in (logs / "sft_deterministic_failed.log").read_text()
+    assert "--xla_gpu_deterministic_ops" not in (logs / "sft.log").read_text()
+    cmd = [sys.executable, "-c", REFUSES_DETERMINISM, "0", "5"]  # the flags work: one run
+    queue.run_sft_stage(cmd, str(tmp_path / "ok"), None)
+    assert "--xla_gpu_deterministic_ops=true" in (tmp_path / "ok" / "logs" / "sft.log").read_text()
+    assert not (tmp_path / "ok" / "logs" / "sft_deterministic_failed.log").exists()

@@ -2,7 +2,8 @@
 
 1. The SFT warm start runs once, in `<root>/sft` (every table must share its SFT settings:
    `check_shared_sft`), linked into each table's workdir `<root>/<table name>/sft`, with
-   deterministic XLA flags (`SFT_XLA_FLAGS`). Runs finished elsewhere can be adopted
+   deterministic XLA flags (`SFT_XLA_FLAGS`; without them if they fail, `run_sft_stage`).
+   Runs finished elsewhere can be adopted
    (`adopt_finished`); after the SFT stage those whose start's fingerprint is not this stage's
    are dropped and trained here (`check_adopted_starts`).
 2. Every (table, run, seed) without a final evaluation is a job, in table order. `gpus x
@@ -53,6 +54,29 @@ def sft_env(root: str, gpu: int | None) -> dict[str, str]:
     env = job_env(root, gpu)
     env["XLA_FLAGS"] = " ".join([*env.get("XLA_FLAGS", "").split(), *SFT_XLA_FLAGS])
     return env
+
+
+def run_sft_stage(sft_cmd: list[str], root: str, gpu: int | None) -> None:
+    """Runs the SFT stage's command with `SFT_XLA_FLAGS` (log: `<root>/logs/sft.log`). If that
+    fails (XLA refuses an op it has no deterministic form of, say), the log is kept as
+    `sft_deterministic_failed.log` and the stage runs again without the flags, so that a hold
+    is not lost to them: its fingerprint then likely differs from another machine's, and
+    `check_adopted_starts` retrains adopted runs accordingly. A failure without the flags
+    raises `subprocess.CalledProcessError`."""
+    logs = os.path.join(root, "logs")
+    os.makedirs(logs, exist_ok=True)
+    log_path = os.path.join(logs, "sft.log")
+    for env, deterministic in ((sft_env(root, gpu), True), (job_env(root, gpu), False)):
+        with open(log_path, "w") as out:
+            done = subprocess.run(sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if done.returncode == 0:
+            return
+        if not deterministic:
+            done.check_returncode()
+        failed = os.path.join(logs, "sft_deterministic_failed.log")
+        os.replace(log_path, failed)
+        log.error("the SFT stage failed with %s (%s); running it without them", SFT_XLA_FLAGS,
+                  failed)  # fmt: skip
 
 
 def job_env(root: str, gpu: int | None, mem_fraction: float = 0.0) -> dict[str, str]:
@@ -448,12 +472,7 @@ def run_tables(
             f"--workdir={os.path.join(root, first.name)}",  # its `sft` is <root>/sft
             "--sft_only", *extra,
         ]  # fmt: skip
-        os.makedirs(os.path.join(root, "logs"), exist_ok=True)
-        with open(os.path.join(root, "logs", "sft.log"), "w") as out:
-            subprocess.run(
-                sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=sft_env(root, gpus[0]),
-                check=True,
-            )  # fmt: skip
+        run_sft_stage(sft_cmd, root, gpus[0])
         if done_from and not adopt_other_starts:
             if check_adopted_starts([t for _, t in tables], root, done_from):
                 pending = pending_jobs(tables, root)
