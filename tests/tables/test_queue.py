@@ -267,6 +267,17 @@ def test_identical_runs_of_two_tables_train_once(tmp_path):
     )
 
 
+def _run_fake_driver(tables, root, started, **kwargs) -> dict[str, int]:
+    """`queue.run_tables` of `tables` under `root` with the entry point `fake_driver` (a module
+    the test writes) as the SFT stage and the writing launcher's jobs (their labels appended to
+    `started`), on one GPU slot group, no deadline."""
+    launch = _writing_launcher(str(root), set(), started)
+    return queue.run_tables(
+        tables, module="fake_driver", root=str(root), deadline_s=None, gpus=[None],
+        launch=launch, **kwargs,
+    )  # fmt: skip
+
+
 def test_run_tables_runs_the_sft_stage_then_the_jobs(tmp_path, monkeypatch):
     """The driver with stand-ins: the SFT stage is a subprocess of the entry point (here a
     module that records its arguments), then the queue runs the pending jobs; the bundle holds
@@ -279,17 +290,10 @@ def test_run_tables_runs_the_sft_stage_then_the_jobs(tmp_path, monkeypatch):
     tables = _tables("table7", steps=100, eval_every=50)  # the launcher's runs end at step 99
     root = tmp_path / "root"
     started = []
-    codes = queue.run_tables(
-        tables,
-        module="fake_driver",
-        root=str(root),
-        per_gpu=6,
-        deadline_s=None,
-        extra=["--config.rl.steps=4"],
-        gpus=[None],
+    codes = _run_fake_driver(
+        tables, root, started, per_gpu=6, extra=["--config.rl.steps=4"],
         bundle_path=str(tmp_path / "b.tgz"),
-        launch=_writing_launcher(str(root), set(), started),
-    )
+    )  # fmt: skip
     args = json.loads((tmp_path / "sft_args.json").read_text())
     assert args == [
         "--config=configs/table7_ptq.py", f"--workdir={root / 'table7_policies'}", "--sft_only",
@@ -338,17 +342,10 @@ def test_adopted_runs_keep_only_a_provably_equal_sft_start(
         earlier["params_fingerprint"] = source_fingerprint
     (results / "sft" / "sft_eval.json").write_text(json.dumps(earlier))
     root, started = tmp_path / "root", []
-    codes = queue.run_tables(
-        tables,
-        module="fake_driver",
-        root=str(root),
-        per_gpu=15,
-        deadline_s=None,
-        gpus=[None],
-        done_from=str(tmp_path / "results"),
+    codes = _run_fake_driver(
+        tables, root, started, per_gpu=15, done_from=str(tmp_path / "results"),
         adopt_other_starts=adopt_other_starts,
-        launch=_writing_launcher(str(root), set(), started),
-    )
+    )  # fmt: skip
     flags = (tmp_path / "xla_flags").read_text().split()
     assert flags == ["--xla_dump_to=/tmp/x", *queue.SFT_XLA_FLAGS]
     assert ("table1_nvfp4/qarl/seed0" in started) == rerun
