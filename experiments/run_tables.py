@@ -15,10 +15,10 @@ puts it into `experiments/results/runs/<table name>/` (`trace_jax.tables.bundle`
 `paper_table --aggregate_only` (`--partial` while seeds are missing) writes each table.
 
 `--done_from` adopts runs finished in an earlier invocation (another machine's, unpacked into
-the results tree) instead of training them again; once this invocation's SFT stage has run, an
-adopted run is kept only where its table's recorded SFT fingerprint equals this stage's (the
-stage runs with `--xla_gpu_deterministic_ops=true` so that it can), else it is trained again here
-(`--adopt_other_starts` keeps it anyway).
+the results tree) instead of training them again. Each run records the SFT stage it started
+from; once this invocation's SFT stage has run, a seed adopted whole from one start is kept, and
+otherwise only the adopted runs that started from this stage's start (the rest of the seed trains
+here), so the runs of a seed never mix two starts (`--adopt_other_starts` keeps them anyway).
 
 `--extra` passes more flags to every job (`--config.*` overrides: the tests and CPU dry runs use
 a tiny model). One `small` run leaves an H200 mostly idle. With `grouped_matmul="ragged_dot"`
@@ -98,7 +98,7 @@ if __name__ == "__main__":
     flags.DEFINE_float("mem_fraction", 0.0, "cap each job's GPU memory at this share (0: none)")
     flags.DEFINE_string("done_from", "", "logs of runs finished earlier (experiments/results/runs)")
     flags.DEFINE_bool(
-        "adopt_other_starts", False, "keep adopted runs whose SFT fingerprint is not this SFT's"
+        "adopt_other_starts", False, "keep adopted runs even where a seed would mix SFT starts"
     )
     flags.DEFINE_string("unpack", "", "a bundle to unpack into --unpack_to instead of running")
     flags.DEFINE_string("unpack_to", "experiments/results/runs", "where bundles are unpacked")

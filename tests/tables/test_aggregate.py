@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -117,6 +119,35 @@ def test_each_run_starts_from_the_sft_score_under_its_own_execution(tmp_path):
     mx = _table(format="mxfp4_w4a4")
     assert agg.run_execution(mx, "trace") == "mxfp4_w4a4"
     assert agg.start_row(mx, str(tmp_path), "trace") is None
+
+
+def test_seeds_from_two_sft_stages_start_from_their_mean(tmp_path):
+    """Runs record the SFT stage they started from (`sft_start.json`); seeds trained on two
+    machines start from two stages, and the start row is their mean (the table's own
+    `sft/sft_eval.json` is then not used); unfinished runs' starts do not count."""
+    table = _table()  # splits level1, arith_countdown_l2; 3 steps, seeds 0 and 1
+    support.write_sft_eval(tmp_path, {"bf16": {"level1": 0.9, "arith_countdown_l2": 0.9}})
+    starts = {0: (0.2, 0.1, "f-a"), 1: (0.4, 0.3, "f-b")}
+    for seed, (l1, l2, fingerprint) in starts.items():
+        for label in table.labels:
+            d = support.write_run_logs(tmp_path, label, seed, [{"step": 2, "level1": 0.5}])
+            record = {
+                "rows": [
+                    {"split": "level1", "pass@1_bf16": l1},
+                    {"split": "arith_countdown_l2", "pass@1_bf16": l2},
+                ],
+                "params_fingerprint": fingerprint,
+            }
+            with open(f"{d}/sft_start.json", "w") as f:
+                json.dump(record, f)
+    row = agg.sft_row(table, str(tmp_path))
+    assert row["run"] == "SFT starts (bf16, mean of 2)"
+    assert row["level1"] == pytest.approx(0.3) and row["average"] == pytest.approx(0.2)
+    assert [r["run"] for r in agg.sft_rows(table, str(tmp_path))] == [row["run"]]
+    for label in table.labels:  # seed 1 unfinished: only seed 0's start is the table's
+        support.write_run_logs(tmp_path, label, 1, [{"step": 1, "level1": 0.5}])
+    row = agg.sft_row(table, str(tmp_path))
+    assert row["run"] == "SFT start (bf16)" and row["level1"] == pytest.approx(0.2)
 
 
 def test_fp4_policies_scored_in_bf16_average_like_their_own_scores(tmp_path):

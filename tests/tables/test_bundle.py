@@ -41,6 +41,7 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
     root = tmp_path / "root"
     files = {
         "t1/trace/seed0/rl_eval.jsonl": "new",
+        "t1/trace/seed0/sft_start.json": "start",
         "t1/bf16/seed0/rl_eval.jsonl": "new",
         "t4/trace_x/seed1/rl_metrics.jsonl": "m",
         "sft/sft_eval.json": "sft",
@@ -60,6 +61,7 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
     (dest / "t1" / "sft" / "sft_eval.json").write_text("sft of earlier runs")
     assert unpack_bundle(str(tmp_path / "b.tgz"), str(dest), "d6") == ["t1", "t4"]
     assert (dest / "t1" / "trace" / "seed0" / "rl_eval.jsonl").read_text() == "new"
+    assert (dest / "t1" / "trace" / "seed0" / "sft_start.json").read_text() == "start"
     assert (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").read_text() == "old"
     assert (dest / "t4" / "trace_x" / "seed1" / "rl_metrics.jsonl").read_text() == "m"
     # A different SFT record goes beside the one already there; an equal one is not repeated.

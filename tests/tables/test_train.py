@@ -35,6 +35,9 @@ def test_driver_calls_train_each_pair_once_to_the_end(trained_table):
             assert [r["step"] for r in _rows(d / "rl_eval.jsonl")] == [0, 1, 2]
             assert steps_done(str(d)) == 3
             assert final_eval(str(d), 3) == _rows(d / "rl_eval.jsonl")[-1]
+            # Each run records the SFT stage it started from (evaluation and fingerprint).
+            sft = (t.workdir / "sft" / "sft_eval.json").read_text()
+            assert (d / "sft_start.json").read_text() == sft and "params_fingerprint" in sft
 
 
 def test_aggregate_is_mean_and_std_of_the_final_evaluations(trained_table):

@@ -43,6 +43,9 @@ SFT_CHECKPOINT = "sft_checkpoint"
 SFT_EVAL = "sft_eval.json"
 # In `SFT_EVAL`: `checkpoint.params_fingerprint` of the trained parameters.
 FINGERPRINT_KEY = "params_fingerprint"
+# In an RL run's directory: a copy of the `SFT_EVAL` of the stage the run started from, so that
+# the run's start stays on record wherever its logs go (`trace_jax.tables.train.record_start`).
+SFT_START = "sft_start.json"
 MAX_ROW_TOKENS = 4096
 
 

@@ -1,8 +1,9 @@
 """A table from its runs' logs: pass@1 mean +- std over seeds, log statistics, curves.
 
-Everything here reads run logs only (`rl_metrics.jsonl`, `rl_eval.jsonl`, `sft/sft_eval.json`),
-so a table is rebuilt from logs brought back without checkpoints; evaluations are read under the
-current split names, also from logs written under older ones. Nothing is aggregated from an
+Everything here reads run logs only (`rl_metrics.jsonl`, `rl_eval.jsonl`, each run's
+`sft_start.json`, else the table's `sft/sft_eval.json`), so a table is rebuilt from logs brought
+back without checkpoints; evaluations are read under the current split names, also from logs
+written under older ones. Nothing is aggregated from an
 unfinished run: `aggregate` raises, or with `partial` leaves the unfinished seeds out and says
 how many seeds each row has.
 """
@@ -19,6 +20,7 @@ from trace_jax.quant import SiteMode
 from trace_jax.rl.evaluate import BF16_SUFFIX
 from trace_jax.rl.methods import get_method
 from trace_jax.rl.metrics_log import read_rows
+from trace_jax.rl.sft import FINGERPRINT_KEY, SFT_EVAL, SFT_START
 from trace_jax.tables.grid import Table, benchmark_average, benchmark_splits, run_dir, sft_dir
 from trace_jax.tables.train import eval_rows, final_eval, finished_seeds
 from trace_jax.tasks.splits import with_current_split_names
@@ -99,25 +101,43 @@ def missing_seeds(table: Table, rows: Sequence[dict]) -> list[str]:
     return missing + [lb for lb in table.labels if lb not in {r["run"] for r in rows}]
 
 
-def _sft_eval(workdir: str) -> list[dict] | None:
-    path = os.path.join(sft_dir(workdir), "sft_eval.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return [with_current_split_names(r) for r in json.load(f)["rows"]]
+def _sft_evals(table: Table, workdir: str) -> list[list[dict]]:
+    """The SFT evaluations (rows per split) where the table's finished runs started, one per
+    distinct start (by fingerprint, in seed order): each run's `SFT_START`; for runs without
+    that record, the table's `sft/sft_eval.json`. Empty when there is none."""
+    records, table_sft = {}, os.path.join(sft_dir(workdir), SFT_EVAL)
+    done = {label: finished_seeds(table, workdir, label) for label in table.labels}
+    for seed in table.seeds:
+        for label in table.labels:
+            if seed not in done[label]:
+                continue
+            path = os.path.join(run_dir(workdir, label, seed), SFT_START)
+            path = path if os.path.exists(path) else table_sft
+            if os.path.exists(path):
+                with open(path) as f:
+                    record = json.load(f)
+                records.setdefault(record.get(FINGERPRINT_KEY, path), record)
+    if not records and os.path.exists(table_sft):  # a table without finished runs yet
+        with open(table_sft) as f:
+            records[table_sft] = json.load(f)
+    return [[with_current_split_names(r) for r in rec["rows"]] for rec in records.values()]
 
 
 def sft_row(table: Table, workdir: str, execution: str = "bf16") -> dict | None:
     """The SFT policy's pass@1 per split and benchmark average under `execution` ("bf16", or the
-    FP4 format its evaluation ran, e.g. "nvfp4"): where every run starts. None if that
-    evaluation is not in the workdir."""
-    rows = _sft_eval(workdir)
+    FP4 format its evaluation ran, e.g. "nvfp4"): where the runs start. Runs of different seeds
+    may start from different SFT stages (machines); the row is then the mean over those starts
+    and says how many. None if no such evaluation is recorded."""
+    evals = _sft_evals(table, workdir)
     key = f"pass@1_{execution}"
-    if rows is None or key not in rows[0]:
+    if not evals or any(key not in rows[0] for rows in evals):
         return None
     splits = table.experiment.eval.splits
-    by_split = {r["split"]: r[key] for r in rows}
-    row = {"run": f"SFT start ({execution})", **{s: float(by_split[s]) for s in splits}}
+    per_start = [{r["split"]: r[key] for r in rows} for rows in evals]
+    by_split = {s: float(np.mean([scores[s] for scores in per_start])) for s in splits}
+    n = len(evals)
+    name = f"SFT start ({execution})" if n == 1 else f"SFT starts ({execution}, mean of {n})"
+    row = {"run": name, **by_split}
     row["average"] = benchmark_average(by_split, splits)
     return row
 
@@ -135,13 +155,13 @@ def start_row(table: Table, workdir: str, label: str) -> dict | None:
 
 
 def sft_rows(table: Table, workdir: str) -> list[dict]:
-    """`sft_row` for every execution the SFT evaluation ran, bf16 first."""
-    rows = _sft_eval(workdir)
-    if rows is None:
+    """`sft_row` for every execution the SFT evaluations ran, bf16 first."""
+    evals = _sft_evals(table, workdir)
+    if not evals:
         return []
-    executions = [k.removeprefix("pass@1_") for k in rows[0] if k.startswith("pass@1_")]
+    executions = [k.removeprefix("pass@1_") for k in evals[0][0] if k.startswith("pass@1_")]
     executions.sort(key=lambda e: e != "bf16")
-    return [sft_row(table, workdir, e) for e in executions]
+    return [row for e in executions if (row := sft_row(table, workdir, e)) is not None]
 
 
 def adaptation(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import tarfile
 
+from trace_jax.rl.sft import SFT_START
+
 # In a run directory copied from an earlier machine's results (`queue.adopt_finished`): where from.
 ADOPTED_NOTE = "adopted_from.txt"
 # The files of a run or SFT stage a bundle carries; never checkpoints or guidance stores.
@@ -18,6 +20,7 @@ BUNDLE_SUFFIXES = (
     "rl_eval.jsonl",
     "sft_eval.json",
     "sft_metrics.jsonl",
+    SFT_START,
     "same_run_as.txt",
     ADOPTED_NOTE,
 )

@@ -1,11 +1,11 @@
 """Paper tables on the GPUs of one machine: their (run, seed) pairs as a queue of detached jobs.
 
 1. The SFT warm start runs once, in `<root>/sft` (every table must share its SFT settings:
-   `check_shared_sft`), linked into each table's workdir `<root>/<table name>/sft`, with
-   deterministic XLA flags (`SFT_XLA_FLAGS`; without them if they fail, `run_sft_stage`).
-   Runs finished elsewhere can be adopted
-   (`adopt_finished`); after the SFT stage those whose start's fingerprint is not this stage's
-   are dropped and trained here (`check_adopted_starts`).
+   `check_shared_sft`), linked into each table's workdir `<root>/<table name>/sft`; each run
+   records the stage it starts from (`trace_jax.tables.train.record_start`). Runs finished
+   elsewhere can be adopted (`adopt_finished`): after the SFT stage, a seed adopted whole from
+   one start is kept, and otherwise only the adopted runs that started from this stage's start
+   (`check_adopted_starts`), so the runs of one seed always start alike.
 2. Every (table, run, seed) without a final evaluation is a job, in table order. `gpus x
    per_gpu` slots each run one job at a time: a subprocess of the table driver's entry point
    with `--runs=<label> --shard=<k>/<seeds>` (exactly seed k of that run), pinned to its GPU
@@ -38,45 +38,26 @@ from trace_jax.rl.methods import get_method
 from trace_jax.rl.sft import FINGERPRINT_KEY, SFT_EVAL
 from trace_jax.tables.bundle import ADOPTED_NOTE, BUNDLE_SUFFIXES, EVENTS_FILE, bundle
 from trace_jax.tables.grid import Table, run_dir, sft_dir
-from trace_jax.tables.train import finished_seeds
+from trace_jax.tables.train import finished_seeds, start_fingerprint
 
 log = logging.getLogger(__name__)
 
 
-# The SFT stage's XLA flags on a GPU: deterministic reductions and scatters and no timing-based
-# autotuning, so that the stage gives the same bits on another machine of the same kind and
-# runs adopted from an earlier machine start where the new ones do (`check_adopted_starts`).
-SFT_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",)
-
-
-def sft_env(root: str, gpu: int | None) -> dict[str, str]:
-    """The SFT stage's environment: `job_env` with `SFT_XLA_FLAGS` added to `XLA_FLAGS`."""
-    env = job_env(root, gpu)
-    env["XLA_FLAGS"] = " ".join([*env.get("XLA_FLAGS", "").split(), *SFT_XLA_FLAGS])
-    return env
-
-
 def run_sft_stage(sft_cmd: list[str], root: str, gpu: int | None) -> None:
-    """Runs the SFT stage's command with `SFT_XLA_FLAGS` (log: `<root>/logs/sft.log`). If that
-    fails (XLA refuses an op it has no deterministic form of, say), the log is kept as
-    `sft_deterministic_failed.log` and the stage runs again without the flags, so that a hold
-    is not lost to them: its fingerprint then likely differs from another machine's, and
-    `check_adopted_starts` retrains adopted runs accordingly. A failure without the flags
-    raises `subprocess.CalledProcessError`."""
+    """Runs the SFT stage's command (log: `<root>/logs/sft.log`); a failure raises
+    `subprocess.CalledProcessError`.
+
+    Its bits differ from one GPU machine to another (XLA's GPU reductions and autotuning vary
+    from run to run), which is why runs record their start and seeds are adopted whole
+    (`check_adopted_starts`) rather than the stage made deterministic: with
+    `--xla_gpu_deterministic_ops=true` the stage took 1.25 s a step on an H200 against
+    0.086-0.105 s without (`experiments/results/runs/sft_deterministic_ops/`)."""
     logs = os.path.join(root, "logs")
     os.makedirs(logs, exist_ok=True)
-    log_path = os.path.join(logs, "sft.log")
-    for env, deterministic in ((sft_env(root, gpu), True), (job_env(root, gpu), False)):
-        with open(log_path, "w") as out:
-            done = subprocess.run(sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        if done.returncode == 0:
-            return
-        if not deterministic:
-            done.check_returncode()
-        failed = os.path.join(logs, "sft_deterministic_failed.log")
-        os.replace(log_path, failed)
-        log.error("the SFT stage failed with %s (%s); running it without them", SFT_XLA_FLAGS,
-                  failed)  # fmt: skip
+    with open(os.path.join(logs, "sft.log"), "w") as out:
+        subprocess.run(
+            sft_cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(root, gpu), check=True
+        )
 
 
 def job_env(root: str, gpu: int | None, mem_fraction: float = 0.0) -> dict[str, str]:
@@ -226,8 +207,8 @@ def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
     `experiments/results/runs`) into `root`, so their jobs do not run again; returns the run
     directories adopted. Each gets `ADOPTED_NOTE` naming its source. An adopted run started from
     the SFT stage of the invocation that trained it (another machine's, as a rule), which need
-    not be this one's: `check_adopted_starts` keeps it only where the two stages' fingerprints
-    are equal."""
+    not be this one's: `check_adopted_starts` keeps adopted runs only where they cannot mix two
+    starts within a seed."""
     src_workdir = os.path.join(done_from, table.name)
     adopted = []
     for label in table.labels:
@@ -239,7 +220,7 @@ def adopt_finished(table: Table, root: str, done_from: str) -> list[str]:
                 with open(os.path.join(dst, ADOPTED_NOTE), "w") as f:
                     f.write(
                         f"{os.path.abspath(src)}\nfinished in an earlier invocation, from its "
-                        "SFT stage (kept where that stage's fingerprint is this one's)\n"
+                        "SFT stage (kept where its seed's runs share that start)\n"
                     )
                 adopted.append(dst)
     return adopted
@@ -256,31 +237,39 @@ def sft_fingerprint(directory: str) -> str | None:
 
 
 def check_adopted_starts(tables: Sequence[Table], root: str, done_from: str) -> list[str]:
-    """Removes the runs adopted into `root` (`adopt_finished`) whose SFT start is not provably
-    this root's: their source table's SFT fingerprint (`<done_from>/<table>/sft`) missing or not
-    equal to `<root>/sft`'s. Returns the run directories removed: their jobs become pending and
-    run from this root's start, so a table never mixes two starts silently."""
+    """Removes adopted runs (`adopt_finished`) that would mix two SFT starts within a seed.
+
+    A run's start is the fingerprint it records (`train.start_fingerprint`); a run from before
+    that record takes its source table's SFT fingerprint (`<done_from>/<table>/sft`), and none
+    at all is unknown. Per table and seed: when every run of the seed is adopted from one known
+    start, the seed is kept whole (trained on one earlier machine); otherwise only the adopted
+    runs that started from this root's SFT stage (`<root>/sft`) are kept, and the seed's other
+    runs train here from that same start. Returns the run directories removed: their jobs
+    become pending."""
     here = sft_fingerprint(sft_dir(root))
     removed = []
     for table in tables:
-        there = sft_fingerprint(sft_dir(os.path.join(done_from, table.name)))
-        if here is not None and there == here:
-            continue
-        dirs = [
-            run_dir(os.path.join(root, table.name), label, seed)
-            for label in table.labels
-            for seed in table.seeds
-        ]
-        dirs = [d for d in dirs if os.path.exists(os.path.join(d, ADOPTED_NOTE))]
-        for d in dirs:
-            shutil.rmtree(d)
-        if dirs:
-            log.warning(
-                "%s: SFT fingerprint %s here, %s where its %d adopted runs started: running "
-                "them again from this start",
-                table.name, here, there, len(dirs),
-            )  # fmt: skip
-        removed += dirs
+        legacy = sft_fingerprint(sft_dir(os.path.join(done_from, table.name)))
+        for seed in table.seeds:
+            dirs = [run_dir(os.path.join(root, table.name), lb, seed) for lb in table.labels]
+            adopted = {
+                d: start_fingerprint(d) or legacy
+                for d in dirs
+                if os.path.exists(os.path.join(d, ADOPTED_NOTE))
+            }
+            starts = set(adopted.values())
+            if len(adopted) == len(dirs) and len(starts) == 1 and None not in starts:
+                continue
+            other = [d for d, start in adopted.items() if start is None or start != here]
+            for d in other:
+                shutil.rmtree(d)
+            if other:
+                log.warning(
+                    "%s seed %d: %d adopted runs from other SFT starts than this stage's (%s): "
+                    "trained again here",
+                    table.name, seed, len(other), here,
+                )  # fmt: skip
+            removed += other
     return removed
 
 
@@ -449,8 +438,8 @@ def run_tables(
       (the table driver's entry point) with `extra` (e.g. `--config.*` overrides).
     gpus: GPU indices (default: every visible GPU); `per_gpu` jobs share each.
     done_from: where the logs of runs finished earlier are (`adopt_finished`). Once the SFT
-      stage has run, adopted runs of another start are run again (`check_adopted_starts`)
-      unless `adopt_other_starts`.
+      stage has run, adopted runs that would mix two starts within a seed are run again
+      (`check_adopted_starts`) unless `adopt_other_starts`.
     bundle_path: write the run logs to this tarball at the end (`bundle`).
     """
     t0 = time.perf_counter()

@@ -2,21 +2,25 @@
 
 Each chunk is `RLLoop(config, run_dir).run(stop_after=chunk_steps)`: it resumes from the run's
 last checkpoint, so a stopped driver (a deadline, a lost machine) continues where it was. A run
-is finished once its final evaluation (at step `steps - 1`) is in its `rl_eval.jsonl`.
+is finished once its final evaluation (at step `steps - 1`) is in its `rl_eval.jsonl`. Each run
+records the SFT stage it started from (`record_start`: its evaluation and fingerprint), since
+GPU SFT stages of one config on two machines differ in their bits.
 Evaluations are read with the current split names, also from logs written under older ones
 (`trace_jax.tasks.splits.RENAMED_SPLITS`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
-from trace_jax.rl.sft import sft_or_reuse
+from trace_jax.rl.sft import FINGERPRINT_KEY, SFT_EVAL, SFT_START, sft_or_reuse
 from trace_jax.tables.grid import Table, run_dir, sft_dir
 from trace_jax.tasks.splits import with_current_split_names
 
@@ -31,6 +35,32 @@ def sft_checkpoint(workdir: str) -> str:
 def run_sft_stage(table: Table, workdir: str) -> tuple[list[dict], float]:
     """Runs (or reuses) the table's SFT stage in `<workdir>/sft`: (eval rows, seconds spent)."""
     return sft_or_reuse(table.experiment, sft_dir(workdir))
+
+
+def record_start(directory: str, workdir: str) -> None:
+    """Copies the table's SFT evaluation (`<workdir>/sft/sft_eval.json`: pass@1 rows and the
+    parameters' fingerprint) into the run directory `directory` as `SFT_START`, unless the run
+    has one: a run keeps the start it began from, also when resumed on another machine."""
+    target = os.path.join(directory, SFT_START)
+    if not os.path.exists(target):
+        os.makedirs(directory, exist_ok=True)
+        shutil.copyfile(os.path.join(sft_dir(workdir), SFT_EVAL), target)
+
+
+def recorded_start(directory: str) -> dict | None:
+    """The SFT evaluation the run in `directory` started from (`record_start`), or None for a
+    run without the record (one trained before runs recorded their start)."""
+    path = os.path.join(directory, SFT_START)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def start_fingerprint(directory: str) -> str | None:
+    """The fingerprint of the SFT parameters the run in `directory` started from, or None."""
+    start = recorded_start(directory)
+    return None if start is None else start.get(FINGERPRINT_KEY)
 
 
 def steps_done(directory: str) -> int:
@@ -79,5 +109,6 @@ def train_runs(
                 log.info("deadline reached; rerun to continue")
                 return False
             log.info("%s seed %d: from step %d", label, seed, done)
+            record_start(directory, workdir)
             RLLoop(config, directory).run(stop_after=table.chunk_steps or None)
     return True
