@@ -98,31 +98,46 @@ def plot_adaptation(
 
 
 def plot(table: Table, workdir: str, path: str, adapt: dict | None = None) -> None:
-    """Curves over the finished seeds of every run: reward, train-rollout gap, benchmark average
-    pass@1 from the SFT start, and the adaptation curve when there is one."""
-    fig, axes = plt.subplots(1, 4 if adapt else 3, figsize=(18.5 if adapt else 14, 3.6))
+    """Curves over the finished seeds of every run: reward, train-rollout gap and KL (log
+    scale), benchmark average pass@1 from the SFT start (FP4 runs' policies scored in bf16 as
+    well: dashed), and the adaptation curve when there is one."""
+    panels = 5 if adapt else 4
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6))
+    colors = {label: f"C{i}" for i, label in enumerate(table.labels)}
     starts = {label: agg.start_row(table, workdir, label) for label in table.labels}
+    bf16_start = agg.sft_row(table, workdir)
     for c in agg.curves(table, workdir):
-        for ax, key in zip(axes[:2], ("reward", "train_rollout_gap_mean"), strict=True):
-            ax.plot(c["steps"], smooth(c[key]), label=c["run"])
-        steps, score = c["eval_steps"], c["score"]
-        start = starts[c["run"]]
-        if start is not None:  # the SFT policy under the run's own execution
-            steps, score = [-1, *steps], [start["average"], *score]
-        axes[2].plot(steps, score, "o-", label=c["run"])
+        color = colors[c["run"]]
+        for ax, key in zip(axes[:3], agg.CURVE_KEYS, strict=True):
+            if key in c:
+                ax.plot(c["steps"], smooth(c[key]), color=color, label=c["run"])
+        for key, start, style in (
+            ("score", starts[c["run"]], "o-"),
+            ("score_bf16", bf16_start, "s--"),
+        ):
+            if key not in c:
+                continue
+            steps, score = c["eval_steps"], c[key]
+            if start is not None:  # the SFT policy under the curve's execution
+                steps, score = [-1, *steps], [start["average"], *score]
+            label = c["run"] if key == "score" else f"{c['run']} (in bf16)"
+            axes[3].plot(steps, score, style, color=color, label=label)
     titles = (
         "mean reward (10-step avg)",
         "mean |logp train - rollout| (10-step avg)",
+        "train-rollout KL k3 (10-step avg)",
         "test pass@1, benchmark avg (-1: SFT)",
     )
-    for ax, title in zip(axes[:3], titles, strict=True):
+    for ax, title in zip(axes[:4], titles, strict=True):
         ax.set(xlabel="RL step", title=title)
         ax.grid(True, alpha=0.3)
+    for ax in axes[1:3]:
+        ax.set_yscale("log")
     axes[0].legend(fontsize=7)
+    axes[3].legend(fontsize=6)
     if adapt:
-        colors = {label: f"C{i}" for i, label in enumerate(table.labels)}
         scores = {lb: r[adapt["split"]] for lb, r in starts.items() if r is not None}
-        plot_adaptation(axes[3], adapt, scores, colors)
+        plot_adaptation(axes[4], adapt, scores, colors)
     fig.suptitle(f"{table.title}: mean over finished seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -178,3 +178,26 @@ def test_command_line_writes_a_partial_table_from_logs(tmp_path):
     assert "--config.rl.steps=10" in saved["meta"]["command"]
     md = (tmp_path / "table5_layers.md").read_text()
     assert "seeds not yet run: trace half, trace quarter, trace eighth" in md
+
+
+def test_the_figure_draws_fp4_policies_scored_in_bf16_from_the_bf16_start(tmp_path, monkeypatch):
+    """The score panel: each run from its SFT start under its own execution; an FP4 run scored
+    in bf16 as well gets a dashed curve from the bf16 start."""
+    table = _logs(tmp_path / "w", in_bf16=True)
+    calls = []
+    real = matplotlib.axes.Axes.plot
+
+    def record(self, *args, **kw):
+        calls.append((args, kw.get("label")))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    paper_table.plot(table, str(tmp_path / "w"), str(tmp_path / "f.png"))
+    scores = {label: args for args, label in calls if len(args) == 3}  # (steps, y, style)
+    steps, own, style = scores["trace"]
+    assert steps == [-1, 0, 1, 2] and style == "o-" and own[0] == 0.04  # the NVFP4 start
+    steps, in_bf16, style = scores["trace (in bf16)"]
+    assert style == "s--" and in_bf16[0] == 0.05  # the bf16 start
+    assert in_bf16[1:] == pytest.approx([x + 0.2 for x in own[1:]])
+    assert "bf16 (in bf16)" not in scores  # the bf16 run has no second curve
+    assert (tmp_path / "f.png").stat().st_size > 0

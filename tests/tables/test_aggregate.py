@@ -150,6 +150,44 @@ def test_seeds_from_two_sft_stages_start_from_their_mean(tmp_path):
     assert row["run"] == "SFT start (bf16)" and row["level1"] == pytest.approx(0.2)
 
 
+def test_curves_average_seeds_per_step_and_keep_the_bf16_scores(tmp_path):
+    """Per step, the mean over seeds of reward, gap and KL (a key some step lacks is left out);
+    per evaluation, the benchmark average in the run's own execution and, for FP4 runs scored
+    in bf16 as well, in bf16."""
+    table = _table()  # splits level1, arith_countdown_l2 (the benchmark); 3 steps, seeds 0, 1
+    rng = np.random.default_rng(0)
+    logged = {}
+    for seed in table.seeds:
+        metrics = [
+            {"step": i, "reward": r, "train_rollout_gap_mean": g, "train_rollout_kl_k3": k}
+            for i, (r, g, k) in enumerate(rng.random((3, 3)))
+        ]
+        evals = [
+            {"step": i, "level1": 0.5, "arith_countdown_l2": a}
+            | {"level1@bf16": 0.4, "arith_countdown_l2@bf16": b}
+            for i, (a, b) in enumerate(rng.random((3, 2)))
+        ]
+        support.write_run_logs(tmp_path, "trace", seed, evals, metrics)
+        del metrics[1]["train_rollout_kl_k3"]  # bf16: one step without its KL
+        support.write_run_logs(tmp_path, "bf16", seed, [dict(e) for e in evals], metrics)
+        logged[seed] = (metrics, evals)
+    got = {c["run"]: c for c in agg.curves(table, str(tmp_path))}
+    trace, bf16 = got["trace"], got["bf16"]
+    for key in ("reward", "train_rollout_gap_mean"):
+        want = [np.mean([logged[s][0][i][key] for s in table.seeds]) for i in range(3)]
+        np.testing.assert_allclose(trace[key], want)
+    kl = [np.mean([logged[s][0][i]["train_rollout_kl_k3"] for s in table.seeds]) for i in (0, 2)]
+    np.testing.assert_allclose(np.asarray(trace["train_rollout_kl_k3"])[[0, 2]], kl)
+    assert "train_rollout_kl_k3" not in bf16
+    for key, split in (("score", "arith_countdown_l2"), ("score_bf16", "arith_countdown_l2@bf16")):
+        want = [np.mean([logged[s][1][i][split] for s in table.seeds]) for i in range(3)]
+        np.testing.assert_allclose(trace[key], want)
+    for seed in table.seeds:  # without the bf16 scores in every evaluation: no bf16 curve
+        evals = [{k: v for k, v in e.items() if "@" not in k} for e in logged[seed][1]]
+        support.write_run_logs(tmp_path, "bf16", seed, evals, logged[seed][0])
+    assert "score_bf16" not in {c["run"]: c for c in agg.curves(table, str(tmp_path))}["bf16"]
+
+
 def test_fp4_policies_scored_in_bf16_average_like_their_own_scores(tmp_path):
     """`average@bf16`: the benchmark average of a run's `<split>@bf16` final scores, mean and
     std over seeds; absent for a run whose evaluations did not score it in bf16."""

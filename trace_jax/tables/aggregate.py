@@ -226,10 +226,15 @@ def shared_runs(table: Table, workdir: str) -> list[tuple[str, int, str]]:
     return out
 
 
+# Per-step training-log curves of a table's runs (`curves`).
+CURVE_KEYS = ("reward", "train_rollout_gap_mean", "train_rollout_kl_k3")
+
+
 def curves(table: Table, workdir: str) -> list[dict]:
     """Per run with finished seeds, its curves averaged over them: {"run", "steps" (training
-    steps), "reward", "train_rollout_gap_mean" (per step), "eval_steps", "score" (benchmark
-    average pass@1 per evaluation step)}."""
+    steps), each of `CURVE_KEYS` that every seed logged at every step (per step), "eval_steps",
+    "score" (benchmark average pass@1 per evaluation step) and, where every evaluation also
+    scored the policy in bf16 (FP4 runs with `eval.in_bf16_too`), "score_bf16"}."""
     splits = table.experiment.eval.splits
     out = []
     for label in table.labels:
@@ -241,10 +246,17 @@ def curves(table: Table, workdir: str) -> list[dict]:
         steps = [r["step"] for r in metrics[0]]
         eval_steps = [r["step"] for r in evals[0]]
         row = {"run": label, "steps": steps, "eval_steps": eval_steps}
-        for key in ("reward", "train_rollout_gap_mean"):
-            row[key] = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], 0).tolist()
+        for key in CURVE_KEYS:
+            if all(key in r for m in metrics for r in m[: len(steps)]):
+                row[key] = np.mean([[r[key] for r in m[: len(steps)]] for m in metrics], 0).tolist()
         row["score"] = np.mean(
             [[benchmark_average(r, splits) for r in e[: len(eval_steps)]] for e in evals], 0
         ).tolist()
+        if all(s + BF16_SUFFIX in r for e in evals for r in e for s in splits):
+            in_bf16 = [
+                [benchmark_average({s: r[s + BF16_SUFFIX] for s in splits}, splits) for r in e]
+                for e in evals
+            ]
+            row["score_bf16"] = np.mean([x[: len(eval_steps)] for x in in_bf16], 0).tolist()
         out.append(row)
     return out
