@@ -30,6 +30,7 @@ ENTRY_POINTS = [
     "moe_matmul_ablation",
     "hf_load_memory",
     "bandwidth_ceilings",
+    "multi_gpu",
 ]
 WITHOUT_SMOKE_VARIANT = {"mismatch_analysis", "bench_guidance_store"}
 # Every module of experiments/ but the shared harness.

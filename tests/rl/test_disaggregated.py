@@ -114,6 +114,10 @@ def test_lagging_rollout_trains_stale_guidance(tmp_path):
     assert [r["max_staleness_used"] for r in trainer] == [0, 1, 1]
     assert all(r["guidance_rtn_fallback_rows"] == 0 for r in trainer)
     assert all(np.isfinite(r["loss"]) for r in trainer)
+    # A trainer step's wall time holds its wait for the batch and its training.
+    assert all(
+        r["time_step_s"] >= r["time_wait_rollout_s"] + r["time_train_s"] > 0 for r in trainer
+    )
 
 
 def test_rollout_batches_round_trip(tmp_path):

@@ -435,6 +435,7 @@ def _trainer_steps(
             exchange.delete(rollout_prefix(step))
             if step + 1 >= kept:
                 exchange.delete(policy_prefix((step + 1 - kept) * m))
+            t3 = time.perf_counter()
             row = {
                 **metrics,
                 "policy_version": step * m,
@@ -444,6 +445,7 @@ def _trainer_steps(
                 "time_guidance_io_s": blocked["read"] + blocked["delete_wait"],
                 "time_guidance_delete_wait_s": blocked["delete_wait"],
                 "time_train_s": t2 - t1 - blocked["read"] - blocked["delete_wait"],
+                "time_step_s": t3 - t0,  # the batch's wait, training, publishing
             }
             history.append(metrics_log.write(step, row))
     trainer.close()  # the last step's background deletion: its failure raises here
