@@ -208,6 +208,14 @@ def write_table(
         f"{table.experiment.rl.mismatch_every} steps; n/a: the trainer quantizes nothing):\n\n"
     )
     md += harness.markdown_table(rows, ["run", *agg.STAT_KEYS], fmt=".4g")
+    if paired := agg.paired_differences(table, workdir):
+        cols = list(dict.fromkeys(k for r in paired for k in r if k not in ("run", "seeds")))
+        md += (
+            "\n\nPaired by seed against `bf16` (each run's final benchmark average minus bf16's "
+            "of the same seed, whose runs start from one SFT stage; mean and std over the seeds "
+            "both finished; `average@bf16`: the FP4 run's policy scored in bf16):\n\n"
+        )
+        md += harness.markdown_table(paired, ["run", *cols, "seeds"], fmt=".3f")
     adapt = agg.adaptation(table, workdir)
     harness.write_results(
         table.name,
@@ -216,7 +224,8 @@ def write_table(
         table=md,
         notes=notes(table, workdir, rows, adapt, from_logs),
         outdir=outdir,
-        extra={"adaptation": adapt} if adapt is not None else None,
+        extra={"paired_vs_bf16": agg.paired_differences(table, workdir)}
+        | ({"adaptation": adapt} if adapt is not None else {}),
     )
     plot(table, workdir, os.path.join(outdir, f"{table.name}.png"), adapt)
     print(md)

@@ -77,6 +77,9 @@ def test_fp4_runs_scored_in_bf16_get_their_column(tmp_path):
         header = next(line for line in md.splitlines() if line.startswith("| run | average |"))
         assert ("| average@bf16 | average@bf16_std |" in header) == in_bf16
         assert ("the same average with each FP4 run's policy run in bf16" in md) == in_bf16
+        # Paired by seed: trace's own average is 0.5 above bf16's in every seed, in bf16 0.7.
+        paired = md.split("Paired by seed against `bf16`")[1]
+        assert "| trace | 0.500 |" in paired and ("| 0.700 |" in paired) == in_bf16
         if in_bf16:
             trace = next(line for line in md.splitlines() if line.startswith("| trace |"))
             cells = [c.strip() for c in trace.split("|")[1:-1]]

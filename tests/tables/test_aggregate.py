@@ -188,6 +188,34 @@ def test_curves_average_seeds_per_step_and_keep_the_bf16_scores(tmp_path):
     assert "score_bf16" not in {c["run"]: c for c in agg.curves(table, str(tmp_path))}["bf16"]
 
 
+def test_runs_are_paired_with_bf16_seed_by_seed(tmp_path):
+    """Each run's final benchmark average minus bf16's of the same seed: mean and sample std
+    over the seeds both finished; the same for a policy scored in bf16 where every final
+    evaluation has it."""
+    table = _table()  # labels bf16, trace; splits level1, arith_countdown_l2; 3 steps; seeds 0, 1
+    rng = np.random.default_rng(1)
+    bf16, trace, trace_bf16 = rng.random((3, 2))
+    for seed in (0, 1):
+        support.write_run_logs(tmp_path, "bf16", seed, [
+            {"step": 2, "level1": 0.9, "arith_countdown_l2": bf16[seed]}])  # fmt: skip
+        support.write_run_logs(tmp_path, "trace", seed, [
+            {"step": 2, "level1": 0.1, "arith_countdown_l2": trace[seed],
+             "level1@bf16": 0.2, "arith_countdown_l2@bf16": trace_bf16[seed]}])  # fmt: skip
+    (row,) = agg.paired_differences(table, str(tmp_path))
+    assert row["run"] == "trace" and row["seeds"] == 2
+    np.testing.assert_allclose(row["average - bf16"], np.mean(trace - bf16))
+    np.testing.assert_allclose(row["average - bf16_std"], np.std(trace - bf16, ddof=1))
+    np.testing.assert_allclose(row["average@bf16 - bf16"], np.mean(trace_bf16 - bf16))
+    # bf16 seed 1 unfinished: one pair, no std; no bf16 scores in seed 0's trace: no such key.
+    support.write_run_logs(tmp_path, "bf16", 1, [{"step": 1, "arith_countdown_l2": 0.0}])
+    support.write_run_logs(tmp_path, "trace", 0, [{"step": 2, "arith_countdown_l2": 0.5}])
+    (row,) = agg.paired_differences(table, str(tmp_path))
+    assert row["seeds"] == 1 and np.isnan(row["average - bf16_std"])
+    np.testing.assert_allclose(row["average - bf16"], 0.5 - bf16[0])
+    assert "average@bf16 - bf16" not in row
+    assert agg.paired_differences(table, str(tmp_path), reference="qarl") == []
+
+
 def test_fp4_policies_scored_in_bf16_average_like_their_own_scores(tmp_path):
     """`average@bf16`: the benchmark average of a run's `<split>@bf16` final scores, mean and
     std over seeds; absent for a run whose evaluations did not score it in bf16."""

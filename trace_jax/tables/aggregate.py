@@ -93,6 +93,43 @@ def aggregate(table: Table, workdir: str, partial: bool = False) -> list[dict]:
     return rows
 
 
+def paired_differences(table: Table, workdir: str, reference: str = "bf16") -> list[dict]:
+    """Each run against `reference`, seed by seed: over the seeds both finished (a seed's runs
+    start from one SFT stage, also when seeds ran on different machines), the mean and sample
+    std of the run's final benchmark `average` minus `reference`'s, `seeds` (how many) and, where
+    every such final evaluation also scored the policy in bf16, the same for that score
+    (`AVERAGE_BF16`) minus `reference`'s average. Empty without `reference` in the table."""
+    if reference not in table.labels:
+        return []
+    splits = table.experiment.eval.splits
+
+    def finals(label: str) -> dict[int, dict]:
+        out = {s: final_eval(run_dir(workdir, label, s), table.steps(label)) for s in table.seeds}
+        return {s: ev for s, ev in out.items() if ev is not None}
+
+    ref = finals(reference)
+    rows = []
+    for label in table.labels:
+        own = finals(label)
+        seeds = sorted(set(own) & set(ref))
+        if label == reference or not seeds:
+            continue
+        base = [benchmark_average(ref[s], splits) for s in seeds]
+        own_avg = [benchmark_average(own[s], splits) for s in seeds]
+        key = f"average - {reference}"
+        row = {"run": label, "seeds": len(seeds)}
+        row[key], row[f"{key}_std"] = _mean_std(np.subtract(own_avg, base))
+        if all(sp + BF16_SUFFIX in own[s] for s in seeds for sp in splits):
+            in_bf16 = [
+                benchmark_average({sp: own[s][sp + BF16_SUFFIX] for sp in splits}, splits)
+                for s in seeds
+            ]
+            key = f"{AVERAGE_BF16} - {reference}"
+            row[key], row[f"{key}_std"] = _mean_std(np.subtract(in_bf16, base))
+        rows.append(row)
+    return rows
+
+
 def missing_seeds(table: Table, rows: Sequence[dict]) -> list[str]:
     """`"<run> (<missing> of <seeds>)"` for each run of `aggregate(partial=True)`'s rows short of
     seeds, and the labels of runs without a row."""
