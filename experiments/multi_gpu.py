@@ -96,8 +96,6 @@ class Measurement:
         return out
 
     def disaggregated(self) -> list[dict]:
-        if len(self.devices) < 2:
-            raise ValueError("the disaggregated pair needs two GPUs")
         prompts, out = self.cfg.prompts_per_gpu, []
         for lag in self.cfg.lags:
             workdir = os.path.join(self.workdir, f"disaggregated_lag{lag}")
@@ -146,8 +144,10 @@ def _without_rows(run: dict) -> dict:
 
 
 def run(cfg, workdir: str, outdir: str, name: str) -> list[dict]:
-    """Measures `cfg.measure`'s sections and writes the results (merged with the sections of an
-    earlier `<outdir>/<name>.json` not measured now); returns every row written."""
+    """Measures `cfg.measure`'s sections and writes the results after each (merged with the
+    sections of an earlier `<outdir>/<name>.json` not measured now, so a failing section loses
+    none measured before it); returns every row written. Bad requests are refused before any
+    job starts."""
     unknown = set(cfg.measure) - set(scale_out.SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}; known: {scale_out.SECTIONS}")
@@ -158,24 +158,25 @@ def run(cfg, workdir: str, outdir: str, name: str) -> list[dict]:
         raise ValueError("no GPU visible: set config.gpus to run the jobs on host devices")
     if not cpu and count > len(gpus):
         raise ValueError(f"config.gpus={count} but {len(gpus)} GPUs are visible")
+    if "disaggregated" in cfg.measure and count < 2:
+        raise ValueError("the disaggregated pair needs two GPUs")
     measurement = Measurement(cfg, workdir, list(range(count)) if cpu else gpus[:count], cpu)
-    rows = []
-    for section in cfg.measure:
-        rows += getattr(measurement, section)()
     path = os.path.join(outdir, f"{name}.json")
+    rows = []
     if os.path.exists(path):
         with open(path) as f:
-            earlier = json.load(f)["rows"]
-        rows = [r for r in earlier if r["section"] not in cfg.measure] + rows
+            rows = [r for r in json.load(f)["rows"] if r["section"] not in cfg.measure]
     order = {s: i for i, s in enumerate(scale_out.SECTIONS)}
-    rows.sort(key=lambda r: order[r["section"]])
-    table = harness.write_table(
-        name, rows, COLUMNS, title="Scale-out on one host", outdir=outdir,
-        notes=f"Every job: `{cfg.experiment}` with {', '.join(cfg.overrides)}; "
-        f"{cfg.steps} steps ({cfg.disaggregated_steps} for the pair), the first {cfg.skip} "
-        "left out of the medians. `efficiency`: samples per second over one GPU's, per GPU.",
-    )  # fmt: skip
-    print(table)
+    for section in cfg.measure:
+        rows += getattr(measurement, section)()
+        rows.sort(key=lambda r: order[r["section"]])
+        table = harness.write_table(
+            name, rows, COLUMNS, title="Scale-out on one host", outdir=outdir,
+            notes=f"Every job: `{cfg.experiment}` with {', '.join(cfg.overrides)}; "
+            f"{cfg.steps} steps ({cfg.disaggregated_steps} for the pair), the first {cfg.skip} "
+            "left out of the medians. `efficiency`: samples per second over one GPU's, per GPU.",
+        )  # fmt: skip
+        print(table)
     return rows
 
 

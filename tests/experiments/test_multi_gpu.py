@@ -94,6 +94,22 @@ def test_every_section_on_four_gpus_then_one_section_again(tmp_path, monkeypatch
     assert read_rows(str(tmp_path / "w2" / "weak_4" / "rl_metrics.jsonl"))[0]["step"] == 0
 
 
+def test_a_failing_section_keeps_the_sections_measured_before_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(multi_gpu, "visible_gpus", lambda: [0, 1])
+    _fake_jobs(monkeypatch, 0.01, [])
+
+    def failing(self):
+        raise scale_out.JobFailedError("a process died")
+
+    monkeypatch.setattr(multi_gpu.Measurement, "weak_scaling", failing)
+    cfg = multi_gpu_config.get_config()
+    cfg.steps, cfg.disaggregated_steps = 4, 4
+    with pytest.raises(scale_out.JobFailedError):
+        multi_gpu.run(cfg, str(tmp_path / "w"), str(tmp_path), "mg")
+    written = json.loads((tmp_path / "mg.json").read_text())["rows"]
+    assert [r["section"] for r in written] == ["parity"] * 3 + ["disaggregated"] * 2
+
+
 def test_bad_requests_are_refused_before_any_job(tmp_path, monkeypatch):
     jobs = []
     _fake_jobs(monkeypatch, 0.01, jobs)
@@ -106,7 +122,7 @@ def test_bad_requests_are_refused_before_any_job(tmp_path, monkeypatch):
     cfg.gpus = 0
     with pytest.raises(ValueError, match="no GPU visible"):
         multi_gpu.run(cfg, str(tmp_path), str(tmp_path), "mg")
-    cfg.gpus, cfg.measure = 1, ("disaggregated",)
+    cfg.gpus, cfg.measure = 1, ("parity", "disaggregated")  # refused before parity runs
     with pytest.raises(ValueError, match="needs two GPUs"):
         multi_gpu.run(cfg, str(tmp_path), str(tmp_path), "mg")
     cfg.measure = ("strong_scaling",)
