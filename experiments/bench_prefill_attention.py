@@ -5,7 +5,8 @@ the dense bf16 matmul rate of the same run.
 
 Baselines (a chunk of whole prompts from position 0 sees exactly the first P slots, causally,
 which is all they can express): `cudnn`, `jax.nn.dot_product_attention(implementation="cudnn",
-is_causal=True)` over those slots (grouped heads natively); `jax_mha`, jax's own Pallas Triton
+is_causal=True)` over those slots (grouped heads natively; the model's `prefill_attention="cudnn"`,
+`attention.causal_prefix_attention`); `jax_mha`, jax's own Pallas Triton
 flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`, deprecated in favour of
 tokamax, which does not run on this jax), K/V repeated to the query heads outside it (that copy
 timed with it). A baseline that fails (no cuDNN, an unsupported shape) is a row with its error.
@@ -34,7 +35,12 @@ from ml_collections import ConfigDict
 from experiments import harness, timing
 from kernels_pallas import common as kernel_common
 from kernels_pallas.prefill_attention import prefill_attention
-from trace_jax.models.attention import QUERY_BLOCK, attend, cache_mask
+from trace_jax.models.attention import (
+    QUERY_BLOCK,
+    attend,
+    cache_mask,
+    causal_prefix_attention,
+)
 
 COLUMNS = ["rows", "prompt", "slots", "kernel", "ms", "tflops", "frac_of_dense"]
 COLUMNS += ["speedup_vs_xla", "rel_err", "tiling", "error"]
@@ -59,13 +65,10 @@ def xla_attention(q, k, v, positions, kv_lengths):
 
 
 def cudnn_attention(q, k, v, positions, kv_lengths):
-    """cuDNN's fused attention over the first P slots, causal (whole prompts from position 0)."""
+    """cuDNN's fused attention over the first P slots, causal (whole prompts from position 0):
+    the model's `prefill_attention="cudnn"` path."""
     del positions, kv_lengths
-    b, p, hkv, g, dh = q.shape
-    out = jax.nn.dot_product_attention(
-        q.reshape(b, p, hkv * g, dh), k[:, :p], v[:, :p], is_causal=True, implementation="cudnn"
-    )
-    return out.reshape(q.shape)
+    return causal_prefix_attention(q, k, v)
 
 
 def jax_mha_attention(q, k, v, positions, kv_lengths, *, interpret: bool = False):

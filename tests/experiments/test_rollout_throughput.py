@@ -232,14 +232,16 @@ def test_variants_set_the_rollouts_quantization_capture_and_kernels():
     assert fp4["sampling"].max_new_tokens == 5 and fp4["sampling"].stop_tokens == ()
     chunked = variants.rollout_kwargs(cfg, "fp4", 5, "nvfp4", 16)
     assert chunked["sampling"].prefill_chunk_tokens == 16
-    # The flash-prefill twins: the same rollout arguments, the model's prefill attention "auto".
+    # The prefill-attention twins: the same rollout arguments, the model's prefill attention
+    # "auto" (the flash kernel on a GPU) or "cudnn".
     graphdef, params = nnx.split(abstract_model(cfg))
     for base in ("bf16", "fp4"):
-        twin = f"{base} + flash prefill"
-        assert kwargs(twin) == kwargs(base)
         assert variants.variant_graphdef(cfg, graphdef, base) is graphdef
-        model = nnx.merge(variants.variant_graphdef(cfg, graphdef, twin), params)
-        assert model.cfg == dataclasses.replace(cfg, prefill_attention="auto")
+        for twin, setting in (("flash prefill", "auto"), ("cudnn prefill", "cudnn")):
+            twin = f"{base} + {twin}"
+            assert kwargs(twin) == kwargs(base)
+            model = nnx.merge(variants.variant_graphdef(cfg, graphdef, twin), params)
+            assert model.cfg == dataclasses.replace(cfg, prefill_attention=setting)
 
 
 def entry(seconds_by_round, run, tokens=1.0):

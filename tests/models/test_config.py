@@ -111,7 +111,7 @@ def test_presets_are_derived_and_overridable():
         (dict(dtype=jnp.int32), "dtype"),
         (dict(param_dtype="not-a-dtype"), "param_dtype"),
         (dict(grouped_matmul="megablox"), "grouped_matmul"),
-        (dict(prefill_attention="cudnn"), r"prefill_attention must be one of \['xla'"),
+        (dict(prefill_attention="flash"), r"prefill_attention must be one of \['xla'"),
     ],
 )
 def test_invalid_configs_raise(overrides, fragment):
@@ -206,8 +206,11 @@ def test_prefill_attention_auto_is_the_kernel_where_pallas_compiles(platform, au
         assert prefill_attention_order("xla") == ("xla",)
         if platform != "cpu":
             assert prefill_attention_order("pallas") == ("pallas", "xla")
-    with pytest.raises(common.PallasUnavailableError):
-        prefill_attention_order("pallas")
+            # cuDNN serves chunks from slot 0 (the attention layer's choice), the kernel the rest.
+            assert prefill_attention_order("cudnn") == ("pallas", "xla")
+    for setting in ("pallas", "cudnn"):
+        with pytest.raises(common.PallasUnavailableError):
+            prefill_attention_order(setting)
     assert ModelConfig.tiny().prefill_attention == "xla"  # until timed on a GPU
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -166,3 +167,42 @@ def test_prefill_in_chunks_errors(model, prompts):
         prefill_in_chunks(model, small, prompts, LENGTHS, chunk_tokens=8)
     with pytest.raises(ValueError, match="chunk_tokens"):
         prefill_in_chunks(model, cache, prompts, LENGTHS, chunk_tokens=0)
+
+
+@pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+def test_cudnn_prefill_serves_chunks_of_whole_prompts(model, prompts, one_piece, monkeypatch):
+    """`prefill_attention="cudnn"`: chunks of whole prompts attend by cuDNN's fused attention
+    (`jax.nn.dot_product_attention`, run here by its XLA implementation, counted), chunks of
+    positions after the first by the flash kernel (interpreted on the CPU, counted), and both
+    give the one-piece prefill's next-token logits to float32 rounding. A chunk that started
+    later than slot 0 but went to cuDNN would attend causally from the wrong slot (logits off by
+    ~1e-2), and one from slot 0 sent to the kernel would fail the count."""
+    from kernels_pallas.prefill_attention import kernel
+
+    cudnn_model = init_model(dataclasses.replace(CFG32, prefill_attention="cudnn"), seed=1)
+    if jax.default_backend() != "gpu":  # no cuDNN: a clear error, not a silent fallback
+        with pytest.raises(RuntimeError, match="prefill_attention='cudnn' needs cuDNN"):
+            _chunked(cudnn_model, prompts, 14)
+    cudnn_calls, kernel_calls = [], []
+    library = jax.nn.dot_product_attention
+
+    def fused(*args, implementation=None, **kwargs):
+        cudnn_calls.append(implementation)
+        return library(*args, implementation="xla", **kwargs)
+
+    def flash(*args, **kwargs):
+        kernel_calls.append(1)
+        return traced(*args, **kwargs)
+
+    traced = kernel.prefill_attention_pallas
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fused)
+    monkeypatch.setattr(kernel, "prefill_attention_pallas", flash)
+    ref_logits = np.asarray(one_piece[0])
+    for chunk_tokens, whole in ((14, True), (4, False)):
+        cudnn_calls.clear(), kernel_calls.clear()
+        logits = _chunked(cudnn_model, prompts, chunk_tokens)[0]
+        # Each layer is traced twice (the chunk's shapes, then the scan's body).
+        served = (len(cudnn_calls), len(kernel_calls))
+        assert served == ((2 * CFG32.n_layers, 0) if whole else (0, 2 * CFG32.n_layers))
+        assert set(cudnn_calls) <= {"cudnn"}
+        np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=0, atol=1e-5)

@@ -207,11 +207,15 @@ def cache_mask(q_positions: jax.Array, kv_lengths: jax.Array, max_len: int) -> j
 class CacheMask:
     """`cache_mask` kept as its parts, for attention over a cache: query positions int32
     [B, T] (= their slots), valid slots int32 [B], the cache's slots S (static). A flash kernel
-    takes the parts; `dense()` is the [B, T, S] bool mask."""
+    takes the parts; `dense()` is the [B, T, S] bool mask. `from_start` (static) promises that
+    the positions are 0 .. T-1 in every row (a chunk of whole prompts into an empty cache): the
+    mask is then causal over the first T slots for every query before `lengths`, all that
+    cuDNN's fused attention can express."""
 
     positions: jax.Array
     lengths: jax.Array
     max_len: int = dataclasses.field(metadata=dict(static=True))
+    from_start: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def dense(self) -> jax.Array:
         return cache_mask(self.positions, self.lengths, self.max_len)
@@ -222,6 +226,32 @@ AttentionMask = jax.Array | CacheMask
 
 
 # ----------------------------------------------------------------------------------- attention
+
+
+def causal_prefix_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"
+) -> jax.Array:
+    """Causal attention of `q [B, T, Hkv, G, Dh]` at positions 0 .. T-1 over the first T slots of
+    `k, v [B, S >= T, Hkv, Dh]` by `jax.nn.dot_product_attention` (cuDNN's fused attention by
+    default; "xla" is its reference). Returns [B, T, Hkv, G, Dh] in q's dtype.
+
+    Equal to `attend` under `CacheMask(positions 0 .. T-1, lengths)` for every query before
+    `lengths[b]`; a padding query (at or after it) also sees the padding slots before it, which
+    only padding reads (its outputs are junk either way)."""
+    b, t, hkv, g, dh = q.shape
+    try:
+        out = jax.nn.dot_product_attention(
+            q.reshape(b, t, hkv * g, dh),
+            k[:, :t],
+            v[:, :t],
+            is_causal=True,
+            implementation=implementation,
+        )
+    except RuntimeError as e:  # jax's "cuDNN is not detected" and its kin say too little
+        raise RuntimeError(
+            f"prefill_attention='cudnn' needs cuDNN's fused attention (an NVIDIA GPU): {e}"
+        ) from e
+    return out.reshape(q.shape)
 
 
 def _attend_block(q, k, v, mask, scale):
@@ -348,7 +378,9 @@ class Attention(nnx.Module):
         # Only a prefill chunk asks for its kernel (a "pallas" setting raises where none runs).
         chunk = isinstance(mask, CacheMask) and t > 1 and cfg.prefill_attention != "xla"
         order = prefill_attention_order(cfg.prefill_attention) if chunk else ()
-        if order and order[0] is Implementation.PALLAS:
+        if chunk and cfg.prefill_attention == "cudnn" and mask.from_start:
+            out = causal_prefix_attention(q, k.astype(dt), v.astype(dt))
+        elif order and order[0] is Implementation.PALLAS:
             out = prefill_attention(
                 q, k.astype(dt), v.astype(dt), mask.positions, mask.lengths, implementation=order
             )

@@ -189,16 +189,19 @@ def _hf_rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
 
 
 # `ModelConfig.prefill_attention` settings; "auto" is decided by `prefill_attention_order`.
-PREFILL_ATTENTION = ("xla", "pallas", "auto")
+PREFILL_ATTENTION = ("xla", "pallas", "cudnn", "auto")
 
 
 def prefill_attention_order(setting: str) -> tuple[Implementation, ...]:
     """The `implementation=` a prefill chunk's attention passes to `kernels_pallas.
     prefill_attention` for `ModelConfig.prefill_attention`: "xla" the reference; "pallas" the
-    kernel (`kernel_order`); "auto" the kernel where Pallas compiles natively (a GPU: Triton, a
-    TPU: Mosaic), else the reference."""
+    kernel (`kernel_order`); "cudnn" the kernel as well, for the chunks cuDNN cannot express
+    (those that do not start at slot 0); "auto" the kernel where Pallas compiles natively (a
+    GPU: Triton, a TPU: Mosaic), else the reference."""
     if setting == "auto":
         setting = "pallas" if common.native_lowering() else "xla"
+    elif setting == "cudnn":
+        setting = "pallas"
     return kernel_order(Implementation(setting))
 
 
@@ -232,7 +235,9 @@ class ModelConfig:
         tokens against the cache: `forward_cached`), "xla" (`attention.attend`: float32 scores
         of a block of queries against every slot), "pallas" (`kernels_pallas.prefill_attention`:
         flash attention, Triton or Mosaic; where Pallas does not compile and no interpretation
-        is asked for, an error, as for every "pallas") or "auto" ("pallas" on a GPU or a TPU,
+        is asked for, an error, as for every "pallas"), "cudnn" (cuDNN's fused attention,
+        `attention.causal_prefix_attention`, for chunks of whole prompts, which start at slot 0;
+        other chunks take "pallas"; an NVIDIA GPU only) or "auto" ("pallas" on a GPU or a TPU,
         "xla" elsewhere). Decode steps and the trainer's forward are not affected.
       remat: recompute each block's activations in the backward pass from the block's input
         (`nnx.remat` per block) instead of keeping them: a training step's activation memory

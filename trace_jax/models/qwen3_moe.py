@@ -260,6 +260,7 @@ def forward_cached(
     *,
     site: QuantSite = identity_site,
     expert_choices: jax.Array | None = None,
+    from_start: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array], KVCache]:
     """Runs `tokens [B, T]` at slots and RoPE `positions [B, T]` (int32) of a cache whose
     `lengths` already count them: their k, v are written at those slots, and the query at
@@ -269,7 +270,9 @@ def forward_cached(
     padding (their outputs are junk, their aux rows are not valid). A prompt prefilled in pieces of
     positions this way computes every query over exactly the keys of the one-piece prefill
     (`trace_jax.rollout.prefill_in_chunks`). Returns (hidden [B, T, D] in the compute dtype, before
-    the final norm: `model.logits(hidden)` gives the logits; aux; cache).
+    the final norm: `model.logits(hidden)` gives the logits; aux; cache). `from_start` (static)
+    promises positions 0 .. T-1 in every row (`CacheMask.from_start`), which lets a prefill
+    attention that only expresses causal attention from slot 0 serve the chunk.
     """
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
@@ -283,7 +286,7 @@ def forward_cached(
     hidden, aux, layers = model._run(
         tokens,
         positions=positions,
-        mask=CacheMask(positions, cache.lengths, cache.max_len),
+        mask=CacheMask(positions, cache.lengths, cache.max_len, from_start=from_start),
         valid=positions < cache.lengths[:, None],
         site=site,
         expert_choices=expert_choices,

@@ -128,11 +128,14 @@ def prefill_in_chunks(
     grid = chunk_grid(b, p, chunk_tokens)
     cache = KVCache(layers=cache.layers, lengths=prompt_lengths)
     slot = jnp.arange(grid.positions, dtype=jnp.int32)[None, :]
+    whole_prompts = grid.position_blocks == 1  # every chunk starts at slot 0 (`chunk_inputs`)
 
     def run_chunk(cache_rows: KVCache, tokens: jax.Array, t0: jax.Array):
         site = new_site()
         positions = jnp.broadcast_to(t0 + slot, tokens.shape)
-        hidden, aux, cache_rows = forward_cached(model, cache_rows, tokens, positions, site=site)
+        hidden, aux, cache_rows = forward_cached(
+            model, cache_rows, tokens, positions, site=site, from_start=whole_prompts
+        )
         return hidden, records(aux, site), cache_rows
 
     def chunk_inputs(i):

@@ -11,6 +11,8 @@ FP4 with TRACE's compact or full guidance capture, FP4 by XLA fake quantization;
 | `fp4 xla`       | W/A/KV by XLA fake quantization (the reference path)             |
 | `bf16 + flash prefill`, `fp4 + flash prefill` | `bf16`, `fp4` with the prefill chunks'      |
 |                 | attention by the flash kernel (`prefill_attention="auto"`)        |
+| `bf16 + cudnn prefill`, `fp4 + cudnn prefill` | the same by cuDNN's fused attention         |
+|                 | for chunks of whole prompts (`prefill_attention="cudnn"`)         |
 
 Every rollout samples at temperature 1 with no stop token, so that each sequence decodes all its
 new tokens; one compile serves every `new_token_limit` up to its `max_new_tokens`.
@@ -64,6 +66,8 @@ ROLLOUT_VARIANTS = {
     "fp4 xla": RolloutVariant(True, "xla"),
     "bf16 + flash prefill": RolloutVariant(False, "xla", prefill_attention="auto"),
     "fp4 + flash prefill": RolloutVariant(True, "pallas", prefill_attention="auto"),
+    "bf16 + cudnn prefill": RolloutVariant(False, "xla", prefill_attention="cudnn"),
+    "fp4 + cudnn prefill": RolloutVariant(True, "pallas", prefill_attention="cudnn"),
 }
 
 
