@@ -1,7 +1,7 @@
 r"""Table 1 analog in the long-response regime: NVFP4 W/A/KV rollouts, every method, `small`, on
 loop programs whose worked solutions run 192-2048 tokens (`trace_jax.tasks.loop`).
 
-  TABLES=configs/table1_long.py PER_GPU=6 MEM_FRACTION=0.15 \
+  TABLES=configs/table1_long.py PER_GPU=6 MEM_FRACTION=0.15 DEADLINE=600 \
       DONE_FROM=experiments/results/runs bash scripts/detached_jobs/start.sh 540   # on an H200
   python -m experiments.paper_table --config=configs/table1_long.py --workdir=workdir/table1_long
   python -m experiments.paper_table --config=configs/table1_long.py:pilot \
@@ -12,8 +12,9 @@ responses to 1024 tokens, 16 prompts x 8 samples a step, 60 GRPO steps at 3e-5 a
 steps, 96 held-out problems per split at steps 29 and 59), where fp4_qat ends 4.0-4.5 points
 below BF16 in three holds, with Table 1's methods, TRACE on the deeper half and on every layer,
 3 seeds: 18 runs. One H200 held for 30 minutes runs the SFT stage and six of them (one seed of
-every method: the queue runs seed by seed); the rest follow in later holds with `DONE_FROM`,
-each hold running the SFT stage again. Two holds' stages differ in their bits, so each seed's
+every method: the queue runs seed by seed; 562-1332 s for the six after a 3.5-minute stage, so
+`DEADLINE=600` keeps a seventh run, which could not finish, from slowing them); the rest follow
+in later holds with `DONE_FROM`, each hold running the SFT stage again. Two holds' stages differ in their bits, so each seed's
 runs start from the stage of the hold that trained them (recorded per run), a seed is adopted
 whole or finished from the new stage's start (`trace_jax.tables.queue.check_adopted_starts`),
 and the table's SFT row is the mean of the seeds' starts. `full_length`: the first design,
