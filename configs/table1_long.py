@@ -14,12 +14,12 @@ below BF16 in three holds, with Table 1's methods, TRACE on the deeper half and 
 3 seeds: 18 runs. One H200 held for 30 minutes runs the SFT stage and six of them (one seed of
 every method: the queue runs seed by seed; 562-1332 s for the six after a 3.5-minute stage, so
 `DEADLINE=600` keeps a seventh run, which could not finish, from slowing them); the rest follow
-in later holds with `DONE_FROM`, each hold running the SFT stage again. Two holds' stages differ in their bits, so each seed's
-runs start from the stage of the hold that trained them (recorded per run), a seed is adopted
-whole or finished from the new stage's start (`trace_jax.tables.queue.check_adopted_starts`),
-and the table's SFT row is the mean of the seeds' starts. `full_length`: the first design,
-levels 2-5 to 2048 tokens, 100 steps (one run takes an H200 to itself for about 25 minutes,
-sizing below).
+in later holds with `DONE_FROM`, each hold running the SFT stage again. Two holds' stages differ
+in their bits, so each seed's runs start from the stage of the hold that trained them (recorded
+per run), a seed is adopted whole or finished from the new stage's start
+(`trace_jax.tables.queue.check_adopted_starts`), and the table's SFT row is the mean of the
+seeds' starts. `full_length`: the first design, levels 2-5 to 2048 tokens, 100 steps (one run
+takes an H200 to itself for about 25 minutes, sizing below).
 
 The short tasks' responses (at most about 100 tokens) leave no room for a per-token
 train-rollout mismatch to compound over a sequence; here every rollout samples up to 2048

@@ -216,6 +216,14 @@ def write_table(
             "both finished; `average@bf16`: the FP4 run's policy scored in bf16):\n\n"
         )
         md += harness.markdown_table(paired, ["run", *cols, "seeds"], fmt=".3f")
+    if gaps := agg.execution_gaps(table, workdir):
+        md += (
+            "\n\nFP4 execution gap (benchmark average of each FP4 run's policy run in bf16 minus "
+            "run in its format, at the last evaluation and at the SFT start of the same seed; "
+            "`widened`: end minus start; mean and std over seeds):\n\n"
+        )
+        cols = [c for k in agg.EXECUTION_GAP_KEYS for c in (k, f"{k}_std")]
+        md += harness.markdown_table(gaps, ["run", *cols, "seeds"], fmt=".3f")
     adapt = agg.adaptation(table, workdir)
     harness.write_results(
         table.name,
@@ -224,7 +232,7 @@ def write_table(
         table=md,
         notes=notes(table, workdir, rows, adapt, from_logs),
         outdir=outdir,
-        extra={"paired_vs_bf16": agg.paired_differences(table, workdir)}
+        extra={"paired_vs_bf16": agg.paired_differences(table, workdir), "fp4_execution_gap": gaps}
         | ({"adaptation": adapt} if adapt is not None else {}),
     )
     plot(table, workdir, os.path.join(outdir, f"{table.name}.png"), adapt)

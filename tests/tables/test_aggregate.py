@@ -216,6 +216,40 @@ def test_runs_are_paired_with_bf16_seed_by_seed(tmp_path):
     assert agg.paired_differences(table, str(tmp_path), reference="qarl") == []
 
 
+def test_execution_gap_of_fp4_runs_at_end_and_start_seed_by_seed(tmp_path):
+    """Per FP4 run and seed, the benchmark average in bf16 minus in NVFP4 at the last evaluation
+    and at the seed's own SFT start (its `sft_start.json`, else the table's), and end minus
+    start: mean and sample std over seeds; bf16 runs and seeds without bf16 scores have none."""
+    table = _table()  # labels bf16, trace; splits level1, arith_countdown_l2 (the benchmark)
+    rng = np.random.default_rng(2)
+    own, in_bf16, start_fp4, start_bf16 = rng.random((4, 2))
+    table_start = {"bf16": {"level1": 0.0, "arith_countdown_l2": 0.9},
+                   "nvfp4": {"level1": 0.0, "arith_countdown_l2": 0.1}}  # fmt: skip
+    support.write_sft_eval(tmp_path, table_start)
+    for seed in table.seeds:
+        support.write_run_logs(tmp_path, "bf16", seed, [{"step": 2, "arith_countdown_l2": 0.5}])
+        d = support.write_run_logs(tmp_path, "trace", seed, [
+            {"step": 2, "level1": 0.3, "arith_countdown_l2": own[seed], "level1@bf16": 0.9,
+             "arith_countdown_l2@bf16": in_bf16[seed]}])  # fmt: skip
+        rows = [{"split": "level1", "pass@1_bf16": 0.7, "pass@1_nvfp4": 0.2},
+                {"split": "arith_countdown_l2", "pass@1_bf16": start_bf16[seed],
+                 "pass@1_nvfp4": start_fp4[seed]}]  # fmt: skip
+        if seed == 0:  # seed 1 has no record: the table's evaluation is its start
+            with open(f"{d}/sft_start.json", "w") as f:
+                json.dump({"rows": rows, "params_fingerprint": "f"}, f)
+    start_gap = np.array([start_bf16[0] - start_fp4[0], 0.9 - 0.1])
+    (row,) = agg.execution_gaps(table, str(tmp_path))
+    assert row["run"] == "trace" and row["seeds"] == 2
+    np.testing.assert_allclose(row["gap at end"], np.mean(in_bf16 - own))
+    np.testing.assert_allclose(row["gap at start"], np.mean(start_gap))
+    np.testing.assert_allclose(row["widened"], np.mean(in_bf16 - own - start_gap))
+    np.testing.assert_allclose(row["widened_std"], np.std(in_bf16 - own - start_gap, ddof=1))
+    support.write_run_logs(tmp_path, "trace", 1, [{"step": 2, "arith_countdown_l2": 0.5}])
+    (row,) = agg.execution_gaps(table, str(tmp_path))  # seed 1 not scored in bf16
+    assert row["seeds"] == 1 and np.isnan(row["gap at end_std"])
+    np.testing.assert_allclose(row["gap at end"], in_bf16[0] - own[0])
+
+
 def test_fp4_policies_scored_in_bf16_average_like_their_own_scores(tmp_path):
     """`average@bf16`: the benchmark average of a run's `<split>@bf16` final scores, mean and
     std over seeds; absent for a run whose evaluations did not score it in bf16."""

@@ -130,6 +130,63 @@ def paired_differences(table: Table, workdir: str, reference: str = "bf16") -> l
     return rows
 
 
+def _start_path(workdir: str, label: str, seed: int) -> str:
+    """The SFT evaluation run `label`'s seed `seed` started from: its `SFT_START` record, else
+    (a run from before that record) the table's `sft/sft_eval.json`; either may not exist."""
+    path = os.path.join(run_dir(workdir, label, seed), SFT_START)
+    return path if os.path.exists(path) else os.path.join(sft_dir(workdir), SFT_EVAL)
+
+
+def _start_scores(workdir: str, label: str, seed: int) -> dict | None:
+    """`_start_path`'s evaluation as `{split: {execution: pass@1}}`; None without one."""
+    path = _start_path(workdir, label, seed)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = [with_current_split_names(r) for r in json.load(f)["rows"]]
+    return {
+        r["split"]: {k.removeprefix("pass@1_"): v for k, v in r.items() if k.startswith("pass@1_")}
+        for r in rows
+    }
+
+
+EXECUTION_GAP_KEYS = ("gap at end", "gap at start", "widened")
+
+
+def execution_gaps(table: Table, workdir: str) -> list[dict]:
+    """What FP4 execution costs each FP4 run's policy, seed by seed: the final benchmark average
+    of the policy run in bf16 minus run in the run's format ("gap at end"), the same for the SFT
+    policy the seed started from ("gap at start"), and their difference ("widened": whether RL in
+    FP4 widened the gap); mean and sample std (`<key>_std`) over the seeds whose final evaluation
+    scored the policy in bf16 and whose start was evaluated in both, and `seeds`. Runs without
+    such seeds (bf16 runs among them) have no row."""
+    splits = table.experiment.eval.splits
+    rows = []
+    for label in table.labels:
+        fmt = run_execution(table, label)
+        gaps = []
+        for seed in table.seeds:
+            final = final_eval(run_dir(workdir, label, seed), table.steps(label))
+            start = _start_scores(workdir, label, seed)
+            if fmt == "bf16" or final is None or start is None:
+                continue
+            if not all(sp + BF16_SUFFIX in final and {"bf16", fmt} <= set(start[sp])
+                       for sp in splits):  # fmt: skip
+                continue
+            end = benchmark_average({sp: final[sp + BF16_SUFFIX] - final[sp] for sp in splits},
+                                    splits)  # fmt: skip
+            at_start = benchmark_average(
+                {sp: start[sp]["bf16"] - start[sp][fmt] for sp in splits}, splits
+            )
+            gaps.append((end, at_start, end - at_start))
+        if gaps:
+            row = {"run": label, "seeds": len(gaps)}
+            for key, values in zip(EXECUTION_GAP_KEYS, np.transpose(gaps), strict=True):
+                row[key], row[f"{key}_std"] = _mean_std(values)
+            rows.append(row)
+    return rows
+
+
 def missing_seeds(table: Table, rows: Sequence[dict]) -> list[str]:
     """`"<run> (<missing> of <seeds>)"` for each run of `aggregate(partial=True)`'s rows short of
     seeds, and the labels of runs without a row."""
@@ -148,8 +205,7 @@ def _sft_evals(table: Table, workdir: str) -> list[list[dict]]:
         for label in table.labels:
             if seed not in done[label]:
                 continue
-            path = os.path.join(run_dir(workdir, label, seed), SFT_START)
-            path = path if os.path.exists(path) else table_sft
+            path = _start_path(workdir, label, seed)
             if os.path.exists(path):
                 with open(path) as f:
                     record = json.load(f)
