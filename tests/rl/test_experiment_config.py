@@ -136,7 +136,7 @@ def test_model_section_sets_the_prefill_attention():
     assert ExperimentConfig.from_config_dict(cd).model.prefill_attention == "xla"
     cd.model.prefill_attention = "auto"
     assert ExperimentConfig.from_config_dict(cd).model.prefill_attention == "auto"
-    cd.model.prefill_attention = "cudnn"
+    cd.model.prefill_attention = "flash"
     with pytest.raises(ValueError, match=r"model\.prefill_attention.*gives no model"):
         ExperimentConfig.from_config_dict(cd)
 
