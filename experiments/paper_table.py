@@ -205,7 +205,9 @@ def write_table(
     md += (
         "\n\nTraining-log statistics (means over steps, then seeds; `code_mismatch` and "
         "`one_apart_fraction` over the mismatch-measuring steps, every "
-        f"{table.experiment.rl.mismatch_every} steps; n/a: the trainer quantizes nothing):\n\n"
+        f"{table.experiment.rl.mismatch_every} steps; `train_rollout_kl_per_response`: each "
+        "step's per-token KL times its mean response length, in nats; n/a: the trainer quantizes "
+        "nothing):\n\n"
     )
     md += harness.markdown_table(rows, ["run", *agg.STAT_KEYS], fmt=".4g")
     if paired := agg.paired_differences(table, workdir):

@@ -30,6 +30,17 @@ def test_run_statistics_average_logged_steps_then_seeds():
     )
     assert "train_rollout_kl_k3" not in got  # never logged: no number
     assert agg.run_statistics([[{"step": 0, "reward": 1.0}]]) == {}
+    # Per response: each step's per-token KL times its mean response length (steps without a
+    # length give none), averaged over steps, then seeds.
+    seed0 = [
+        {"step": 0, "train_rollout_kl_k3": 0.01, "response_length": 100.0},
+        {"step": 1, "train_rollout_kl_k3": 0.03, "response_length": 300.0},
+        {"step": 2, "train_rollout_kl_k3": 0.5},
+    ]
+    seed1 = [{"step": 0, "train_rollout_kl_k3": 0.002, "response_length": 500.0}]
+    got = agg.run_statistics([seed0, seed1])
+    assert got["train_rollout_kl_per_response"] == pytest.approx(((1.0 + 9.0) / 2 + 1.0) / 2)
+    assert got["train_rollout_kl_k3"] == pytest.approx((0.18 + 0.002) / 2)
 
 
 def test_adaptation_finds_the_first_match_on_the_hardest_split(tmp_path):

@@ -26,7 +26,16 @@ from trace_jax.tables.train import eval_rows, final_eval, finished_seeds
 from trace_jax.tasks.splits import with_current_split_names
 
 # Training-log statistics of a table's runs (`run_statistics`).
-STAT_KEYS = ("train_rollout_gap_mean", "train_rollout_kl_k3", "code_mismatch", "one_apart_fraction")
+STAT_KEYS = (
+    "train_rollout_gap_mean",
+    "train_rollout_kl_k3",
+    "train_rollout_kl_per_response",
+    "code_mismatch",
+    "one_apart_fraction",
+)
+# Derived per step: the per-token KL times the step's mean response length, the train-rollout
+# KL of a whole response (nats; the sequence-level mismatch that grows with length).
+KL_PER_RESPONSE = ("train_rollout_kl_per_response", "train_rollout_kl_k3", "response_length")
 # The benchmark average of a run's policies run in bf16 (FP4 runs with `eval.in_bf16_too`).
 AVERAGE_BF16 = "average" + BF16_SUFFIX
 
@@ -44,8 +53,12 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 def run_statistics(metrics: Sequence[Sequence[dict]]) -> dict[str, float]:
     """Training-log statistics of one run from its seeds' `rl_metrics` rows: the mean of each
     `STAT_KEYS` metric over the steps that logged it (code mismatch: the mismatch-measuring
-    steps only), averaged over seeds. A metric no step logged is absent (never 0)."""
+    steps only; the KL per response where a step logged both its factors, `KL_PER_RESPONSE`),
+    averaged over seeds. A metric no step logged is absent (never 0)."""
     out = {}
+    derived, kl, length = KL_PER_RESPONSE
+    metrics = [[{**r, derived: r[kl] * r[length]} if kl in r and length in r else r for r in rows]
+               for rows in metrics]  # fmt: skip
     for key in STAT_KEYS:
         logged = [[r[key] for r in rows if key in r] for rows in metrics]
         per_seed = [float(np.mean(v)) for v in logged if v]
