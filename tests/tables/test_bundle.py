@@ -42,7 +42,10 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
     files = {
         "t1/trace/seed0/rl_eval.jsonl": "new",
         "t1/trace/seed0/sft_start.json": "start",
-        "t1/bf16/seed0/rl_eval.jsonl": "new",
+        "t1/bf16/seed0/rl_eval.jsonl": "copy",
+        "t1/bf16/seed0/adopted_from.txt": "/machine/runs/t1/bf16/seed0",
+        "t1/bf16/seed1/rl_eval.jsonl": "retrained",
+        "t1/bf16/seed1/sft_start.json": "new start",
         "t4/trace_x/seed1/rl_metrics.jsonl": "m",
         "sft/sft_eval.json": "sft",
         "logs/t1_trace_seed0.0.log": "log1",
@@ -57,12 +60,22 @@ def test_unpack_bundle_places_runs_sft_and_logs_per_table(tmp_path):
     dest = tmp_path / "runs"
     (dest / "t1" / "bf16" / "seed0").mkdir(parents=True)
     (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").write_text("old")  # finished earlier
+    old_run = dest / "t1" / "bf16" / "seed1"  # trained again on the machine, from a new start
+    old_run.mkdir(parents=True)
+    for f in ("rl_eval.jsonl", "sft_start.json", "rl_metrics.jsonl"):
+        (old_run / f).write_text("old")
     (dest / "t1" / "sft").mkdir()
     (dest / "t1" / "sft" / "sft_eval.json").write_text("sft of earlier runs")
     assert unpack_bundle(str(tmp_path / "b.tgz"), str(dest), "d6") == ["t1", "t4"]
     assert (dest / "t1" / "trace" / "seed0" / "rl_eval.jsonl").read_text() == "new"
     assert (dest / "t1" / "trace" / "seed0" / "sft_start.json").read_text() == "start"
+    # An adopted run keeps the results tree's files and leaves no note naming the machine's path.
     assert (dest / "t1" / "bf16" / "seed0" / "rl_eval.jsonl").read_text() == "old"
+    assert not (dest / "t1" / "bf16" / "seed0" / "adopted_from.txt").exists()
+    # A run trained on the machine replaces every file of the older copy.
+    assert sorted(p.name for p in old_run.iterdir()) == ["rl_eval.jsonl", "sft_start.json"]
+    assert (old_run / "rl_eval.jsonl").read_text() == "retrained"
+    assert (old_run / "sft_start.json").read_text() == "new start"
     assert (dest / "t4" / "trace_x" / "seed1" / "rl_metrics.jsonl").read_text() == "m"
     # A different SFT record goes beside the one already there; an equal one is not repeated.
     assert (dest / "t1" / "sft" / "sft_eval.json").read_text() == "sft of earlier runs"

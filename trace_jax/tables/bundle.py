@@ -62,18 +62,31 @@ def unpack_bundle(path: str, dest: str, tag: str) -> list[str]:
     table's run logs, the shared SFT evaluation as that table's `sft/`, and the job logs and
     event log of its jobs under `logs/`, prefixed with `tag` (e.g. the date of the runs).
 
-    Run logs already in `dest` are not overwritten (a run is finished once). An SFT record
-    already there that differs (GPU SFT is not bitwise reproducible, so runs that had to redo
-    SFT start from a different checkpoint) is kept too: the new one goes beside it as
-    `sft/<tag>_<name>`, so each run's starting point stays on record. Returns the tables.
+    A run the machine adopted (its `ADOPTED_NOTE`: copied from an earlier machine's results)
+    brings nothing back but files `dest` lacks, never the note, which names a path on the machine.
+    A run the machine trained replaces the run's files in `dest`: the queue trains a finished run
+    again only when its seed's other runs start from a new SFT stage, so the older copy no longer
+    pairs with them (git keeps it). An SFT record already there that differs (GPU SFT is not
+    bitwise reproducible) is kept: the new one goes beside it as `sft/<tag>_<name>`, so each
+    run's starting point stays on record. Returns the tables.
     """
     if not tag:
         raise ValueError("unpacking needs a tag (e.g. the date of the runs) to name its logs")
     with tarfile.open(path) as tar:
         members = [m for m in tar.getmembers() if m.isfile()]
         tables = sorted({m.name.split("/")[0] for m in members if m.name.count("/") >= 3})
+        run_dirs = {tuple(m.name.split("/")[:3]) for m in members if m.name.count("/") == 3}
+        adopted = {d for d in run_dirs if f"{'/'.join(d)}/{ADOPTED_NOTE}" in tar.getnames()}
+        for d in run_dirs - adopted:  # trained here: the older copy's files go
+            old = os.path.join(dest, *d)
+            if os.path.isdir(old):
+                for f in os.listdir(old):
+                    if f.endswith(BUNDLE_SUFFIXES):
+                        os.remove(os.path.join(old, f))
         for m in members:
             parts = m.name.split("/")
+            if parts[-1] == ADOPTED_NOTE:
+                continue
             data = tar.extractfile(m).read()
             for target in _targets(parts, tables, dest, tag):
                 if parts[0] in tables and os.path.exists(target):
