@@ -158,19 +158,24 @@ def device_loop_times(
     loop_seconds: float,
     unroll: int,
     per_call_s: Mapping | float,
-    carry_arg: int = 0,
+    carry_arg: Mapping | int = 0,
     smoke: bool = False,
 ) -> dict:
     """key -> seconds per call of each `calls[key] = (fn, args)` inside one device loop
-    (`time_in_device_loop`, argument `carry_arg` carried, `unroll` calls an iteration), each
-    loop about `loop_seconds` of calls as sized by `per_call_s` (key -> an estimate of its
-    per-call seconds, the smallest for a key it lacks; or one estimate for all); and
-    `LOOP_FLOOR` -> the loop's own cost per call, with `floor_arg` carried."""
+    (`time_in_device_loop`, `unroll` calls an iteration), each loop about `loop_seconds` of
+    calls as sized by `per_call_s` (key -> an estimate of its per-call seconds, the smallest for
+    a key it lacks; or one estimate for all); and `LOOP_FLOOR` -> the loop's own cost per call,
+    with `floor_arg` carried. `carry_arg`: the argument each loop carries (key -> its index, 0
+    for a key it lacks; or one index for all). A call's work on arguments the loop does not carry
+    is loop-invariant, and XLA hoists it out of the loop: carry the argument such work reads."""
     estimates = per_call_s if isinstance(per_call_s, Mapping) else {}
     out = {}
     for key, (fn, args) in [*calls.items(), (LOOP_FLOOR, (loop_floor_fn, (floor_arg,)))]:
         est = estimates.get(key, min(estimates.values())) if estimates else per_call_s
         reps = unroll * max(1, math.ceil(loop_seconds / est / unroll))
-        carry = 0 if key == LOOP_FLOOR else carry_arg
+        if key == LOOP_FLOOR:
+            carry = 0
+        else:
+            carry = carry_arg.get(key, 0) if isinstance(carry_arg, Mapping) else carry_arg
         out[key] = time_in_device_loop(fn, args, reps, unroll=unroll, carry_arg=carry, smoke=smoke)
     return out

@@ -71,3 +71,14 @@ def test_default_tiles_variant_times_each_kernel_at_its_defaults_at_decode_and_p
             fp4 = kernel in bench.FP4
             assert tuple(configs) == (({}, *config_module.DECODE_LAYOUTS) if fp4 else ({},))
     assert sorted(config.to_dict()) == sorted(sweep.to_dict())  # overrides stay valid
+
+
+def test_predecoded_kernels_loop_over_their_packed_weights():
+    # Each predecoded call decodes the weights (argument 1); its device loop must carry them, or
+    # XLA hoists that decode out of the loop and `loop_ms` times the bf16 kernel alone.
+    config = config_module.get_config("smoke")
+    ops = bench.operands(config, 16)
+    for name in bench.SWEPT:
+        _, args = bench.kernel_call(name, ops)
+        carried = args[bench.LOOP_CARRY_ARG.get(name, 0)]
+        assert carried is (ops["packed"] if name in bench.PREDECODED else args[0]), name

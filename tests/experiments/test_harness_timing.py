@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,29 @@ def test_device_loop_times_sizes_each_loop_and_adds_the_floor(monkeypatch):
     assert out == {"fast": 0.01, "slow": 0.25, timing.LOOP_FLOOR: 0.01}
     one = timing.device_loop_times(calls, "x", loop_seconds=1.0, unroll=2, per_call_s=0.5)
     assert set(one) == {"fast", "slow", timing.LOOP_FLOOR} and timed["slow"][0] == 2
+    # A carried argument per call: the key's index, 0 for a key the mapping lacks.
+    timing.device_loop_times(
+        calls, "x", loop_seconds=1.0, unroll=2, per_call_s=0.5, carry_arg={"slow": 1}
+    )
+    assert (timed["fast"][2], timed["slow"][2], timed["floor"][2]) == (0, 1, 0)
+
+
+def _loop_computations_calling(fn, args, carry_arg, opcode):
+    """Names of the compiled chained loop's computations that call a fusion holding `opcode`."""
+    loop = timing.chained_loop(fn, args, 4, carry_arg=carry_arg)
+    hlo = jax.jit(loop).lower(*jax.tree.leaves(args)).compile().as_text()
+    computations = re.split(r"\n(?=\S)", hlo)
+    fused = [c.split(" ")[0] for c in computations if f" {opcode}(" in c]
+    return {c.split(" ")[0] for c in computations if any(f"calls={f}" in c for f in fused)}
+
+
+def test_a_loop_keeps_work_on_its_carried_argument_and_hoists_the_rest():
+    # Why the grouped matmul benchmark carries the packed weights through the predecoded
+    # kernels' loops: a decode of an argument the loop does not carry runs once, outside it.
+    def decode_then_matmul(x, codes):
+        return x @ jnp.exp(codes.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    args = (jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 32), jnp.uint8))
+    assert _loop_computations_calling(decode_then_matmul, args, 0, "exponential") == {"ENTRY"}
+    inside = _loop_computations_calling(decode_then_matmul, args, 1, "exponential")
+    assert inside and "ENTRY" not in inside
