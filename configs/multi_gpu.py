@@ -13,8 +13,8 @@ GPU from one process each; weak scaling keeps `prompts_per_gpu` per GPU on 1, 2,
 Sizing, estimated (not measured on several GPUs) from one H200's `small` TRACE step of 32 prompts
 x 8 samples (0.50 s at steady state, `rl_step_time.md`) and 1-2 minutes of compilation: `parity`
 about 3 x 2 minutes, `disaggregated` (2 lags x 50 steps) about 4, `weak_scaling` about 2 minutes
-per GPU count; one command may run 10 minutes, so measure one section at a time on a host of 4 or
-more GPUs.
+per GPU count; one command may run 10 minutes, so measure one section at a time
+(`scripts/detached_jobs/multi_gpu_section.sh`): on 2 GPUs weak scaling covers 1 and 2.
 
 `smoke`: the same jobs on the CPU, each "GPU" a process of one host device: the 2-block `tiny`
 model, 2 prompts x 4 samples of 8 tokens a GPU, 3 steps (2 for the pair), 2 GPUs.
