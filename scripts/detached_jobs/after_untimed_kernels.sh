@@ -1,8 +1,6 @@
 #!/bin/bash
-# After a queue (`AFTER=scripts/detached_jobs/after_untimed_kernels.sh`), on the idle GPU: the
-# kernels built and not yet timed, shortest first. The grouped expert matmul at its default tiles
-# (the FP4 kernel also in its untimed decode layouts, `weights_left` and `split_by_scale_block`,
-# and beside its twin that decodes the weights before the call, `*_predecoded`); where an
+# After a queue (`AFTER=scripts/detached_jobs/after_untimed_kernels.sh`), on the idle GPU, or
+# beside it on GPUs of its own (`AFTER_GPUS`): what is built and not yet timed. Where an
 # 8K-prompt rollout's prefill time goes (bf16, FP4, FP4 with the flash or cuDNN prefill
 # attention); whole 8K-prompt rollouts with XLA's, the flash kernel's and cuDNN's prefill
 # attention, bf16 and FP4; the FP4 decode ablation's bodies with the weights as the dots' left
@@ -10,8 +8,6 @@
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
 cd "$JOBS/repo" || exit 1
-run 300 kernels_moe_matmul experiments.bench_moe_matmul \
-  --config=configs/bench_moe_matmul.py:default_tiles --outdir="$JOBS/out"
 run 360 profile_rollout_8k experiments.profile_rollout --config.row="(64, 8192, 8)" \
   --config.repeats=1 --config.variants="('bf16', 'fp4', 'fp4 + flash prefill', 'fp4 + cudnn prefill')" \
   --outdir="$JOBS/out" --name=profile_rollout_8k

@@ -1,11 +1,15 @@
 #!/bin/bash
-# Measurements once the GPU is idle (table runs and PTQ done), under hard time limits: the script
-# `$AFTER` names (a path in the repository), by default the decode-attention and quantize
-# ablations.
+# Measurements once the GPU is idle (table runs and PTQ done), or at once on GPUs of their own
+# (`AFTER_GPUS`), under hard time limits: the script `$AFTER` names (a path in the repository),
+# by default the decode-attention and quantize ablations.
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
 cd "$JOBS/repo" || exit 1
-while queue_alive || [ ! -f "$JOBS/ptq_rc" ]; do sleep 5; done
+if [ -n "$AFTER_GPUS" ]; then  # GPUs of its own: at once, beside the queue
+  export CUDA_VISIBLE_DEVICES=$AFTER_GPUS
+else
+  while queue_alive || [ ! -f "$JOBS/ptq_rc" ]; do sleep 5; done
+fi
 [ -f "$JOBS/skip_kernels" ] && { echo "kernels skipped"; touch "$JOBS/kernels_done"; exit 0; }
 if [ -n "$AFTER" ]; then
   echo "$(date -u +%T) $AFTER"

@@ -9,7 +9,8 @@ mkdir -p "$JOBS/out" "$JOBS/repo"
 tar --exclude=./.venv --exclude=./.git --exclude=./workdir -cf - . | tar -xf - -C "$JOBS/repo"
 cd "$JOBS/repo" || exit 1
 nvidia-smi -L 2>/dev/null; date -u
-setsid bash -c "echo \$\$ > $JOBS/queue.pid; exec $PY -m experiments.run_tables \
+# QUEUE_GPUS / AFTER_GPUS: the queue's GPUs and the kernel script's, to run both at once.
+setsid env ${QUEUE_GPUS:+CUDA_VISIBLE_DEVICES=$QUEUE_GPUS} bash -c "echo \$\$ > $JOBS/queue.pid; exec $PY -m experiments.run_tables \
   --tables=$TABLES --root=$JOBS/tables --per_gpu=${PER_GPU:-5} --deadline_s=${DEADLINE:-1250} \
   --mem_fraction=${MEM_FRACTION:-0} --bundle=$JOBS/out/runs.tgz --done_from=\"$DONE_FROM\" --extra=\"$EXTRA\"" > "$JOBS/out/queue.log" 2>&1 < /dev/null &
 sleep 2

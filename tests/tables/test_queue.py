@@ -197,6 +197,23 @@ def test_job_env_pins_the_gpu_and_can_cap_its_memory(tmp_path, monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in queue.job_env(str(tmp_path), None)  # the CPU
 
 
+def test_visible_gpus_keep_to_cuda_visible_devices(monkeypatch):
+    # A queue confined to some of a host's GPUs (a kernel script on the others) must not place
+    # jobs on every GPU `nvidia-smi` lists.
+    def smi(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 0, stdout="GPU 0: H200\nGPU 1: H200\n")
+
+    monkeypatch.setattr(queue.subprocess, "run", smi)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert queue.visible_gpus() == [0, 1]
+    for listed, gpus in (("1", [1]), ("0, 1", [0, 1]), ("", [None]), ("-1", [None])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+        assert queue.visible_gpus() == gpus, listed
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-9999f937")
+    with pytest.raises(ValueError, match="GPU indices"):
+        queue.visible_gpus()
+
+
 def test_run_identity_resolves_the_methods_guided_layers():
     (_, t7), (_, t5) = _tables("table7", "table5", steps=100, eval_every=50)
     ident = queue.run_identity

@@ -408,7 +408,17 @@ def subprocess_launcher(
 
 
 def visible_gpus() -> list[int | None]:
-    """GPU indices from `nvidia-smi -L` (without initializing JAX here); [None] without GPUs."""
+    """GPU indices: those `CUDA_VISIBLE_DEVICES` lists where it is set (a queue confined to some
+    of a host's GPUs), else every one `nvidia-smi -L` lists (without initializing JAX here);
+    [None] without GPUs."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [i.strip() for i in listed.split(",") if i.strip()]
+        if not all(i.isdigit() for i in ids) and ids != ["-1"]:
+            raise ValueError(
+                f"CUDA_VISIBLE_DEVICES={listed!r}: the job queue takes GPU indices (0,1,...)"
+            )
+        return [int(i) for i in ids if i != "-1"] or [None]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
