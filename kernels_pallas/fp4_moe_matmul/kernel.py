@@ -57,7 +57,8 @@ kernels_moe_matmul.md, the history and ablations in docs/kernels.md): decode (M 
 0.080 ms inside a device loop with bf16 / NVFP4 activations, 3.2x / 2.9x its byte limit, 1.10x /
 1.22x faster than the bf16 Pallas grouped matmul (1.01x its limit): the float16 decode after the
 loads is the cost; prefill (M = 65536) 195 / 196 TFLOP/s, 30% of the dense bf16 rate (654).
-`weights_left` and `split_by_scale_block` are built and not yet timed. JAX 0.11 marks the Pallas
+`weights_left` and `split_by_scale_block` are slower there (1.37-1.75x at decode): off by
+default. JAX 0.11 marks the Pallas
 Triton backend deprecated in favour of Mosaic GPU.
 
 Hopper-specific: FP4 decoded to float16 or bf16 for 16-bit tensor cores (Hopper has no FP4
