@@ -17,7 +17,8 @@ per GPU count; one command may run 10 minutes, so measure one section at a time
 (`scripts/detached_jobs/multi_gpu_section.sh`): on 2 GPUs weak scaling covers 1 and 2.
 
 `smoke`: the same jobs on the CPU, each "GPU" a process of one host device: the 2-block `tiny`
-model, 2 prompts x 4 samples of 8 tokens a GPU, 3 steps (2 for the pair), 2 GPUs.
+model, 2 prompts x 4 samples of 8 tokens a GPU in two mini-batches, 3 steps (2 for the pair),
+2 GPUs.
 """
 
 import ml_collections
@@ -52,7 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             *c.overrides,
             "model.n_layers=2",
             "rl.max_new_tokens=8",
-            "rl.mini_batches=1",
+            "rl.mini_batches=2",  # as the GPU jobs: each process writes and checks parts
         )
         c.gpus = 2
         c.prompts_per_gpu = 2

@@ -11,13 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceCorruptError, GuidanceIOError, GuidanceStore
-from trace_jax.rl import workers
+from trace_jax.guidance.shards import span
+from trace_jax.rl import guidance_io, workers
 from trace_jax.rl.experiment import ExperimentConfig
+from trace_jax.rl.sharding import make_mesh
 from trace_jax.rl.workers import RolloutWorker, Trainer, check_same_guidance, init_policy
+from trace_jax.rollout import Rollout
 
 pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
@@ -101,6 +106,57 @@ def test_check_same_guidance_compares_every_leaf_byte():
     ]:
         with pytest.raises(GuidanceCorruptError, match=message):
             check_same_guidance(bad, own, "entry")
+
+
+def test_split_rollout_splits_each_parts_guidance_by_rows():
+    """On a 2-device mesh a rollout whose guidance the sampler left replicated splits into
+    mini-batches whose guidance rows lie split over the devices like the batch (what each
+    process writes to the store and reads back), the values those of the rows taken."""
+    mesh = make_mesh(data=2)
+    rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 4, 32)).astype(np.float32)
+    guidance = fp4.make_guidance(fp4.quantize(jnp.asarray(x), "nvfp4"), "compact")
+    roll = Rollout(
+        tokens=jax.device_put(np.arange(32, dtype=np.int32).reshape(8, 4), rows),
+        prompt_lengths=jax.device_put(np.ones(8, np.int32), rows),
+        lengths=jax.device_put(np.full(8, 4, np.int32), rows),
+        logprobs=jax.device_put(np.zeros((8, 4), np.float32), rows),
+        response_mask=jax.device_put(np.ones((8, 4), bool), rows),
+        expert_choices=jax.device_put(np.zeros((2, 8, 4, 2), np.int32), replicated),
+        guidance={"1/expert_in": jax.device_put(guidance, replicated)},
+    )
+    for m, part in enumerate(workers.split_rollout(roll, 2)):
+        g = part.guidance["1/expert_in"]
+        for leaf in ("payload", "scales"):
+            a = getattr(g, leaf)
+            assert a.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), a.ndim), leaf
+            np.testing.assert_array_equal(a, np.asarray(getattr(guidance, leaf))[4 * m : 4 * m + 4])
+
+
+def test_guidance_check_compares_rows_however_each_copy_is_placed():
+    """The check compares each part read on this process with the overlapping parts of the
+    guidance trained on, whichever way each is split (rows or replicated): equal bytes pass, a
+    flipped byte in any part is found, and rows the trained-on copy does not hold here are an
+    error, not a pass."""
+    mesh = make_mesh(data=4)
+    x = np.random.default_rng(2).integers(0, 256, size=(8, 12), dtype=np.uint8)
+
+    def parts(spec):
+        a = jax.device_put(x, NamedSharding(mesh, spec))
+        return list({span(s.index, x.shape): s.data for s in a.addressable_shards}.items())
+
+    by_rows, replicated, by_columns = parts(P("data")), parts(P()), parts(P(None, "data"))
+    for own, read in [(replicated, by_rows), (by_rows, replicated), (by_columns, by_rows)]:
+        assert guidance_io.differences_in_parts(own, read) is None
+        for k in range(len(read)):  # one byte flipped in one part of the read copy
+            where, data = read[k]
+            bad = np.asarray(data).copy()
+            bad.reshape(-1)[-1] ^= 1
+            tampered = [*read[:k], (where, bad), *read[k + 1 :]]
+            assert "1 bytes in" in guidance_io.differences_in_parts(own, tampered)
+    half = [p for p in by_rows if p[0][0][0] < 4]  # own rows 0..3 here, rows 4..7 read here too
+    assert "not checkable here" in guidance_io.differences_in_parts(half, by_rows)
 
 
 def test_trainer_checks_the_store_behind_its_step_and_collects_in_the_background(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import time
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from trace_jax.fp4 import Guidance
 from trace_jax.guidance import GuidanceCorruptError, GuidanceStore
+from trace_jax.guidance.shards import Span, span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,30 +90,73 @@ def check_same_guidance(read: dict[str, Guidance] | None, own: dict[str, Guidanc
                 raise GuidanceCorruptError(f"{what}: site {site!r} {leaf} differs in kind")
             if a is None:
                 continue
-            if not _same_bytes_here(a, b):
-                raise GuidanceCorruptError(
-                    f"{what}: site {site!r} {leaf} differs from the guidance trained on"
-                )
+            difference = _differences_here(a, b)
+            if difference is not None:
+                raise GuidanceCorruptError(f"{what}: site {site!r} {leaf} {difference}")
 
 
-def _same_bytes_here(own: jax.Array | np.ndarray, read: jax.Array | np.ndarray) -> bool:
-    """Whether `read` holds the bytes of `own` (same shape and item size) where this process
-    can see `own`: all of it, or each of its local shards when other processes hold the rest
-    (`read` a host array of the whole, or a global array placed like `own`)."""
+def _differences_here(own: jax.Array | np.ndarray, read: jax.Array | np.ndarray) -> str | None:
+    """None when `read` holds the bytes of `own` (same shape and item size) wherever this
+    process holds `read` (all of it, or the local shards of a global array: over the processes
+    they cover it); else what differs."""
     if own.shape != read.shape or np.dtype(own.dtype).itemsize != np.dtype(read.dtype).itemsize:
-        return False
-    if not isinstance(own, jax.Array) or own.is_fully_addressable:
-        pairs = [(own, read)]
-    elif isinstance(read, jax.Array):
-        held = {_index_key(s.index, own.shape): s.data for s in read.addressable_shards}
-        pairs = [(s.data, held.get(_index_key(s.index, own.shape))) for s in own.addressable_shards]
-    else:
-        pairs = [(s.data, np.asarray(read)[s.index]) for s in own.addressable_shards]
-    return all(b is not None and _equal_bytes(np.asarray(a), np.asarray(b)) for a, b in pairs)
+        return f"is {read.dtype}{list(read.shape)}, trained on {own.dtype}{list(own.shape)}"
+    return differences_in_parts(
+        _local_parts(own), _local_parts(read), getattr(own, "sharding", None)
+    )
 
 
-def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
-    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+def differences_in_parts(
+    own: list[tuple[Span, jax.Array | np.ndarray]],
+    read: list[tuple[Span, jax.Array | np.ndarray]],
+    placement=None,
+) -> str | None:
+    """`_differences_here` on the parts (span, data) each copy has here. The copies may be
+    placed differently (a replicated guidance trained on, a read split by rows): each part of
+    `read` is compared with the overlapping parts of `own` (placed by `placement`), which must
+    hold it whole."""
+    for where, data in read:
+        covered = 0
+        for there, held in own:
+            overlap = tuple(
+                (max(a, c), min(b, d)) for (a, b), (c, d) in zip(where, there, strict=True)
+            )
+            if any(a >= b for a, b in overlap):
+                continue
+            mine = np.asarray(data)[_local_index(overlap, where)]
+            theirs = np.asarray(held)[_local_index(overlap, there)]
+            if not _equal_bytes(theirs, mine):
+                n = int(np.sum(_as_bytes(theirs) != _as_bytes(mine)))
+                return f"differs from the guidance trained on ({n} bytes in {_spans(overlap)})"
+            covered += math.prod(b - a for a, b in overlap)
+        if covered < math.prod(b - a for a, b in where):
+            return (
+                f"rows {_spans(where)} are read on this process, which holds only "
+                f"{[_spans(t) for t, _ in own]} of the guidance trained on (placed by "
+                f"{placement}): not checkable here"
+            )
+    return None
+
+
+def _local_parts(x: jax.Array | np.ndarray) -> list[tuple[Span, jax.Array | np.ndarray]]:
+    """(span, data) of what this process holds of `x`: the whole array (a host array or a
+    fully addressable one), else each distinct local shard once."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return [(tuple((0, d) for d in x.shape), x)]
+    parts = {span(s.index, x.shape): s.data for s in x.addressable_shards}
+    return list(parts.items())
+
+
+def _local_index(region: Span, within: Span) -> tuple[slice, ...]:
+    return tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(region, within, strict=True))
+
+
+def _spans(where: Span) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in where) + "]"
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 def _equal_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -54,6 +54,7 @@ from trace_jax.distributed import (
 )
 from trace_jax.fp4 import Guidance, GuidanceMode
 from trace_jax.guidance import GuidanceStore
+from trace_jax.guidance.shards import leaf_sharding
 from trace_jax.models import Qwen3MoE, init_model, resolve_implementation
 from trace_jax.models.hf_checkpoint import model_from_hf_tensors
 from trace_jax.models.hf_files import SafetensorsCheckpoint
@@ -110,11 +111,28 @@ def mini_batch_slices(n: int, parts: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(parts)]
 
 
-@functools.partial(jax.jit, static_argnames=("parts",))
 def split_rollout(roll: Rollout, parts: int) -> list[Rollout]:
     """`roll.rows(s)` for each of `mini_batch_slices(B, parts)`, in one dispatch (one slice per
-    array of every guided site would each cost a dispatch)."""
-    return [roll.rows(rows) for rows in mini_batch_slices(roll.tokens.shape[0], parts)]
+    array of every guided site would each cost a dispatch). On a mesh (`roll.tokens` placed by
+    a `NamedSharding`) every guidance leaf of a part comes out with its rows split like a batch
+    (`leaf_sharding` of `batch_spec`), whatever placement the sampler's program gave the
+    buffers: each process then writes to the store, and checks, the rows it reads back."""
+    sharding = roll.tokens.sharding
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    return _split_rollout(roll, parts, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("parts", "mesh"))
+def _split_rollout(roll: Rollout, parts: int, mesh: jax.sharding.Mesh | None) -> list[Rollout]:
+    out = [roll.rows(rows) for rows in mini_batch_slices(roll.tokens.shape[0], parts)]
+    if mesh is None:
+        return out
+    rows = NamedSharding(mesh, batch_spec(mesh))
+
+    def place(a: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(a, leaf_sharding(rows, a.shape))
+
+    return [dataclasses.replace(r, guidance=jax.tree.map(place, r.guidance)) for r in out]
 
 
 def initial_model(config: ExperimentConfig, mesh: jax.sharding.Mesh | None) -> Qwen3MoE:
