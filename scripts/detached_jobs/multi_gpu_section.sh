@@ -32,6 +32,6 @@ grep -v "^I1" "$JOBS/multi_gpu/$section.log" | tail -n 40
 [ -n "$OUT" ] || exit $rc
 cp "$JOBS"/multi_gpu/multi_gpu.{json,md} "$JOBS"/multi_gpu/*.log "$OUT"/ 2>/dev/null
 # Every job's log and metrics in one archive (the machine returns a limited number of files).
-(cd "$JOBS/multi_gpu/work" && find . \( -name rl_metrics.jsonl -o -name '*.log' \) |
+(cd "$JOBS/multi_gpu/work" && find . \( -name '*.jsonl' -o -name '*.log' \) |
   tar czf "$OUT/jobs.tgz" -T -)
 exit $rc

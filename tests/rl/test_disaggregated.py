@@ -17,8 +17,10 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
@@ -30,6 +32,7 @@ from trace_jax.rl.disaggregated import (
     PartnerWatch,
     WorkdirReusedError,
     load_rollout,
+    policy_prefix,
     read_heartbeat,
     refuse_reused_workdir,
     run_rollout,
@@ -118,6 +121,54 @@ def test_lagging_rollout_trains_stale_guidance(tmp_path):
     assert all(
         r["time_step_s"] >= r["time_wait_rollout_s"] + r["time_train_s"] > 0 for r in trainer
     )
+
+
+def test_policy_publisher_writes_each_version_as_submitted_behind_the_trainer(
+    tmp_path, monkeypatch
+):
+    """`submit` returns while its version is written; the version holds the parameters at
+    submission, also when the next update donates them at once; versions commit in order,
+    each `submit` waiting for the previous write; the bundles to delete go after the version;
+    a failed write is raised by the next `submit`, and `close` leaves nothing in flight."""
+    config = _config()
+    model = init_policy(config, None)
+    exchange = Exchange.at(str(tmp_path))
+    release, real_publish = threading.Event(), disaggregated.publish_params
+
+    def held_publish(exchange, params, version):  # before the device -> host copy
+        assert release.wait(60)
+        if version == 3:
+            raise OSError("disk full")
+        real_publish(exchange, params, version)
+
+    monkeypatch.setattr(disaggregated, "publish_params", held_publish)
+    params = nnx.state(model, nnx.Param)
+    leaves = jax.tree.leaves(params)  # the arrays themselves (the state follows the model)
+    # Host copies of copies: a host copy of `params` itself would be cached on them.
+    submitted = jax.device_get(jax.tree.map(jnp.copy, leaves))
+    donating_update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)
+
+    def assert_version(version, offset):
+        got = disaggregated.load_policy(exchange, version, nnx.state(model, nnx.Param))
+        for a, b in zip(jax.tree.leaves(got), submitted, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b + offset)
+
+    with disaggregated.PolicyPublisher(exchange) as publisher:
+        assert publisher.submit(model, 1) < 5  # its write waits for `release`
+        nnx.update(model, donating_update(params))  # the next step's update
+        assert all(x.is_deleted() for x in leaves)  # donated
+        assert not exchange.committed(policy_prefix(1))
+        release.set()
+        publisher.submit(model, 2)
+        assert_version(1, 0)  # committed before version 2 started, as submitted
+        publisher.submit(model, 3)
+        with pytest.raises(OSError, match="disk full"):
+            publisher.submit(model, 4)
+        assert not exchange.committed(policy_prefix(3))
+        publisher.submit(model, 5, delete=(policy_prefix(1),))
+    assert_version(2, 1)
+    assert_version(5, 1)
+    assert not exchange.committed(policy_prefix(1))
 
 
 def test_rollout_batches_round_trip(tmp_path):

@@ -9,7 +9,8 @@ need a shared disk. Everything they pass goes through the exchange (`trace_jax.r
 `disaggregated.exchange_s3_*` settings, "gs://bucket/prefix/", "file:///dir/") or a directory;
 "" is the workdir, which the two processes then share.
   * policy: the trainer publishes version v (= optimizer steps so far) as a bundle `policy/<v>/`
-    (one object per parameter, crc32 each); the rollout process of step t waits for version
+    (one object per parameter, crc32 each), written on a thread of its own behind the trainer's
+    next step (`PolicyPublisher`); the rollout process of step t waits for version
     `(t - lag) * M` (M mini-batches per step, `lag` = `config.disaggregated.lag`) and loads it,
     verified. That handshake is the only way parameters travel; the newest `lag + 2` are kept.
   * rollout batch: the rollout process commits the bundle `rollouts/<t>/` (tokens, lengths,
@@ -36,6 +37,7 @@ its role logged or an exchange where its role beat before (`refuse_reused_workdi
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -311,10 +313,69 @@ def publish_rollout(
 def publish_policy(exchange: Exchange, model: nnx.Module, version: int) -> None:
     """Commits `model`'s parameters as the bundle `policy_prefix(version)` (one array per
     parameter, named by its key path; this process must hold every shard of each)."""
-    state = nnx.state(model, nnx.Param)
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    publish_params(exchange, nnx.state(model, nnx.Param), version)
+
+
+def publish_params(exchange: Exchange, params: nnx.State, version: int) -> None:
+    """`publish_policy` of the parameter state `params` (device or host arrays)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     arrays = {jax.tree_util.keystr(p): np.asarray(jax.device_get(x)) for p, x in leaves}
     exchange.write_arrays(policy_prefix(version), arrays, {"version": version})
+
+
+class PolicyPublisher:
+    """The trainer's side of the policy handshake, behind its steps: `submit` takes a device
+    copy of the model's parameters at once (the next update donates them) and writes that
+    version's bundle, then deletes the bundles the step consumed, on one background thread,
+    while the trainer goes on to its next batch. Versions commit in order: a `submit` first
+    waits for the previous one and raises its failure, so at most one bundle is in flight and
+    the trainer learns of a failed write one step later at most. `close` waits for the last.
+    """
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish")
+        self._pending: concurrent.futures.Future | None = None
+
+    def submit(self, model: nnx.Module, version: int, delete: tuple[str, ...] = ()) -> float:
+        """Starts publishing `model`'s parameters as `version`, then deleting the bundles at
+        the prefixes `delete`. Returns the seconds spent waiting for the previous version."""
+        params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+        waited = self.wait()
+        self._pending = self._pool.submit(self._publish, params, version, delete)
+        return waited
+
+    def wait(self) -> float:
+        """Waits for the version in flight (raising its failure); returns the seconds waited."""
+        pending, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Waits for the version in flight (raising its failure) and stops the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> PolicyPublisher:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # another failure is propagating: the write in flight ends first, quietly
+            self.close()
+        except Exception as e:
+            log.error("publishing the last policy version failed too: %s", e)
+
+    def _publish(self, params: nnx.State, version: int, delete: tuple[str, ...]) -> None:
+        publish_params(self.exchange, params, version)
+        for prefix in delete:
+            self.exchange.delete(prefix)
 
 
 def load_policy(exchange: Exchange, version: int, target: nnx.State) -> nnx.State:
@@ -420,6 +481,7 @@ def _trainer_steps(
     with (
         GuidanceStore(exchange.sub_config("guidance/")) as store,
         MetricsLog(workdir, "rl_metrics") as metrics_log,
+        PolicyPublisher(exchange) as publisher,  # closed first: the last version committed
     ):
         publish_policy(exchange, trainer.model, 0)
         for step in range(config.rl.steps):
@@ -431,10 +493,12 @@ def _trainer_steps(
             t1 = time.perf_counter()
             metrics, blocked = trainer.train(batch, store)
             t2 = time.perf_counter()
-            publish_policy(exchange, trainer.model, (step + 1) * m)
-            exchange.delete(rollout_prefix(step))
-            if step + 1 >= kept:
-                exchange.delete(policy_prefix((step + 1 - kept) * m))
+            # The new version is written behind the next step's wait for its batch; the
+            # consumed batch and the oldest version still kept go after it.
+            old = (policy_prefix((step + 1 - kept) * m),) if step + 1 >= kept else ()
+            publish_wait = publisher.submit(
+                trainer.model, (step + 1) * m, delete=(rollout_prefix(step), *old)
+            )
             t3 = time.perf_counter()
             row = {
                 **metrics,
@@ -445,7 +509,9 @@ def _trainer_steps(
                 "time_guidance_io_s": blocked["read"] + blocked["delete_wait"],
                 "time_guidance_delete_wait_s": blocked["delete_wait"],
                 "time_train_s": t2 - t1 - blocked["read"] - blocked["delete_wait"],
-                "time_step_s": t3 - t0,  # the batch's wait, training, publishing
+                # Waiting for the previous version's write to end before starting this one's.
+                "time_publish_wait_s": publish_wait,
+                "time_step_s": t3 - t0,  # the batch's wait, training, starting the publish
             }
             history.append(metrics_log.write(step, row))
     trainer.close()  # the last step's background deletion: its failure raises here
