@@ -56,6 +56,8 @@ BATCH, PROMPT_LEN = 4, 8
 SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0, stop_tokens=(1,), pad_id=0)
 ROLLOUT_KERNELS = {"fp4_quantize_mosaic", "fp4_moe_matmul_mosaic", "fp4_decode_attn_mosaic"}
 MEGABLOX = {"kernel": {"gmm"}}
+# One worker runs the module: its tests share the lowered rollout and the mesh.
+pytestmark = pytest.mark.xdist_group("tpu_lowering")
 
 
 def mosaic_kernels(text: str) -> dict[str, set[str]]:

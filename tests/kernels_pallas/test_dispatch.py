@@ -47,6 +47,8 @@ from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 
 GROUP_SIZES = (20, 0, 9)  # an empty group; rows 29..31 belong to none
+# One worker runs the module: its tests share the operands and their compiled references.
+pytestmark = pytest.mark.xdist_group("dispatch")
 
 
 def _x(shape, seed=0, dtype=jnp.bfloat16):

@@ -46,7 +46,11 @@ from tests.kernels_pallas import rounding
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 
-pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+# One worker runs the module: its cases share compiled kernels and references.
+pytestmark = [
+    pytest.mark.usefixtures("pallas_interpreted_on_cpu"),
+    pytest.mark.xdist_group("fp4_decode_attention"),
+]
 
 FORMATS = [fp4.NVFP4, fp4.MXFP4]
 # The references, jitted as the api's "xla" implementation runs them (one compile per shape).

@@ -386,12 +386,14 @@ def test_scaled_matmul_unsupported_operands_raise():
 
 
 def test_scaled_matmul_tile_plan_brute_force():
+    # Traced as the matmul traces it: one compile per (M, tile, G), not one per operation.
+    tile_plan = jax.jit(scaled.tile_plan, static_argnums=(1, 2))
     rng = np.random.default_rng(1)
     for _ in range(30):
         m, tile, g = int(rng.integers(1, 70)), int(rng.choice([16, 32])), int(rng.integers(1, 6))
         sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)
         sizes = sizes * rng.integers(0, 2, g)
-        rows, group = map(np.asarray, scaled.tile_plan(jnp.asarray(sizes, jnp.int32), m, tile))
+        rows, group = map(np.asarray, tile_plan(jnp.asarray(sizes, jnp.int32), m, tile))
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         seen = {}
         for b in range(rows.shape[0]):

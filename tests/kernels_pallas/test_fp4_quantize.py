@@ -17,7 +17,11 @@ from kernels_pallas.fp4_quantize import (
 )
 from trace_jax import fp4
 
-pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+# One worker runs the module: its cases share compiled kernels and references.
+pytestmark = [
+    pytest.mark.usefixtures("pallas_interpreted_on_cpu"),
+    pytest.mark.xdist_group("fp4_quantize"),
+]
 
 
 def _assert_same(a, b):

@@ -14,6 +14,8 @@ from trace_jax.models import ModelConfig, Qwen3MoE, SiteName, forward_jit, init_
 
 B, T = 2, 7
 CFG32 = ModelConfig.tiny(dtype=jnp.float32, init_std=0.1)
+# One worker runs the module: its tests share the model fixtures and compiled forwards.
+pytestmark = pytest.mark.xdist_group("model")
 
 
 @pytest.fixture(autouse=True)

@@ -65,8 +65,9 @@ def test_remat_is_a_bool():
 
 def test_every_block_is_checkpointed_with_the_same_gradients():
     """An NVFP4 fake-quantized forward (FP4 QAT's trainer) on random tokens: one checkpoint per
-    block with remat and none without; the loss and every gradient agree (float32 compute: the
-    same operations, recomputed)."""
+    block with remat and none without; the loss and every gradient, each jitted as a trainer's
+    (one compile, not one per eager operation), agree (float32 compute: the same operations,
+    recomputed)."""
     qcfg = get_method("fp4_qat").setup("nvfp4", CFG.n_layers).trainer_qcfg
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, CFG.vocab_size)
 
@@ -79,9 +80,8 @@ def test_every_block_is_checkpointed_with_the_same_gradients():
     for model in _models():
         graphdef, params = nnx.split(model)
         fn = functools.partial(loss, graphdef=graphdef)
-        results.append(
-            (_checkpoints(jax.make_jaxpr(fn)(params).jaxpr), jax.value_and_grad(fn)(params))
-        )
+        n_checkpoints = _checkpoints(jax.make_jaxpr(fn)(params).jaxpr)
+        results.append((n_checkpoints, jax.jit(jax.value_and_grad(fn))(params)))
     (n_plain, (l0, g0)), (n_remat, (l1, g1)) = results
     assert (n_plain, n_remat) == (0, CFG.n_layers)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)

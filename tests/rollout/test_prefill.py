@@ -20,6 +20,8 @@ QCFG = QuantConfig.nvfp4()
 KEYS = QCFG.all_keys(CFG32.n_layers)
 LENGTHS = jnp.array([7, 3, 5, 1, 6], jnp.int32)  # B = 5 right-padded prompts, P = 7
 B, P, EXTRA = 5, 7, 3  # cache slots P + EXTRA
+# One worker runs the module: its tests share the one-piece prefill and the compiled chunks.
+pytestmark = pytest.mark.xdist_group("prefill")
 
 
 @pytest.fixture(autouse=True)

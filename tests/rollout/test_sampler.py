@@ -19,7 +19,11 @@ from trace_jax.rollout.sampler import pack_rows, unpack_rows
 from trace_jax.rollout.sampling import filter_logits
 from trace_jax.train import train_forward
 
-pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+# One worker runs the module: its tests share the module's rollouts and compiled samplers.
+pytestmark = [
+    pytest.mark.usefixtures("pallas_interpreted_on_cpu"),
+    pytest.mark.xdist_group("sampler"),
+]
 
 CFG32 = tiny.model_config(dtype=jnp.float32, init_std=0.08)
 QCFG = QuantConfig.nvfp4()
@@ -41,10 +45,38 @@ def _generate(model, prompts, lengths, **kw):
     return generate(gd, params, prompts, lengths, jax.random.key(0), sampling=sampling, **kw)
 
 
-def test_layout_lengths_and_logprobs(model):
-    prompts, lengths = _prompts()
+# The module's shared rollouts of `_prompts()`: 6 greedy new tokens at the highest matmul
+# precision (tests that roll out again under the same settings run the same compiled sampler).
+@pytest.fixture(scope="module")
+def off_rollout(model):
+    """SiteMode.OFF (no FP4 site)."""
     with jax.default_matmul_precision("highest"):
-        r = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF)
+        return _generate(model, *_prompts(), qcfg=QCFG, mode=SiteMode.OFF)
+
+
+@pytest.fixture(scope="module")
+def rtn_rollout(model):
+    """SiteMode.RTN (FP4 sites), nothing captured."""
+    with jax.default_matmul_precision("highest"):
+        return _generate(model, *_prompts(), qcfg=QCFG, mode=SiteMode.RTN)
+
+
+@pytest.fixture(scope="module")
+def full_guidance_rollout(model):
+    """SiteMode.RTN, full guidance captured at every site, the prompts prefilled in one piece."""
+    kw = dict(capture=QCFG.all_keys(CFG32.n_layers), capture_mode=fp4.GuidanceMode.FULL)
+    with jax.default_matmul_precision("highest"):
+        return _generate(model, *_prompts(), qcfg=QCFG, mode=SiteMode.RTN, **kw)
+
+
+def _second_new_token_of_row_0(rollout) -> int:
+    return int(np.asarray(rollout.tokens)[0, int(_prompts()[1][0]) + 1])
+
+
+def test_layout_lengths_and_logprobs(model, off_rollout):
+    prompts, lengths = _prompts()
+    r = off_rollout
+    with jax.default_matmul_precision("highest"):
         fwd = train_forward(model, r, qcfg=QCFG, mode=SiteMode.OFF, temperature=1.0)
     tokens = np.asarray(r.tokens)
     np.testing.assert_array_equal(np.asarray(r.lengths), np.asarray(lengths) + 6)
@@ -87,7 +119,7 @@ def _copies(x: jax.Array, b: int) -> jax.Array:
     return jnp.broadcast_to(x[b : b + 1], x.shape)
 
 
-def test_rows_do_not_depend_on_other_rows_or_padding(model):
+def test_rows_do_not_depend_on_other_rows_or_padding(model, rtn_rollout):
     """Row 2 (a 2-token prompt) samples the same tokens with the same log-probs and experts
     whatever the other rows and its padding slots hold. Both batches have the same shapes, so
     they run the same compiled computation (the same summation order in every matmul) and agree
@@ -96,8 +128,8 @@ def test_rows_do_not_depend_on_other_rows_or_padding(model):
     others = jnp.array([[13, 17, 19, 23, 29, 31], [40, 41, 42, 0, 0, 0], [1, 1, 62, 62, 62, 62]])
     others_lengths = jnp.array([6, 3, 2], jnp.int32)
     assert (others[2, :2] == prompts[2, :2]).all() and int(others_lengths[2]) == int(lengths[2])
+    batch = rtn_rollout
     with jax.default_matmul_precision("highest"):
-        batch = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
         among_others = _generate(model, others, others_lengths, qcfg=QCFG, mode=SiteMode.RTN)
     for field in ("tokens", "logprobs"):
         np.testing.assert_array_equal(
@@ -108,12 +140,12 @@ def test_rows_do_not_depend_on_other_rows_or_padding(model):
     )
 
 
-def test_stop_tokens_end_rows(model):
+def test_stop_tokens_end_rows(model, off_rollout):
     prompts, lengths = _prompts()
-    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF)
-    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    stop = _second_new_token_of_row_0(off_rollout)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,), pad_id=63)
-    r = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF, sampling=sampling)
+    with jax.default_matmul_precision("highest"):
+        r = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.OFF, sampling=sampling)
     tokens, resp = np.asarray(r.tokens), np.asarray(r.response_mask)
     n0 = int(lengths[0])
     assert int(r.lengths[0]) == n0 + 2 and tokens[0, n0 + 1] == stop
@@ -124,13 +156,12 @@ def test_stop_tokens_end_rows(model):
         assert len(new) == (hits[0] + 1 if len(hits) else 6)
 
 
-def test_records_of_rows_that_end_early_sit_at_their_slots(model):
+def test_records_of_rows_that_end_early_sit_at_their_slots(model, rtn_rollout):
     """Expert choices and guidance of rows ending at different steps (a stop token, the length
     limit) equal each row's records in a batch of copies of itself (where every row ends when it
     does), and slots after a row's end keep the empty buffer's values."""
     prompts, lengths = _prompts()
-    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
-    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    stop = _second_new_token_of_row_0(rtn_rollout)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,))
     keys = QCFG.all_keys(CFG32.n_layers)
     kw = dict(qcfg=QCFG, mode=SiteMode.RTN, sampling=sampling, capture=keys)
@@ -179,15 +210,14 @@ def test_records_of_rows_that_end_early_sit_at_their_slots(model):
             assert (u == v).mean() > 0.98, (k, (u == v).mean())
 
 
-def test_new_token_limit_ends_rows_early_from_one_compiled_rollout(model):
+def test_new_token_limit_ends_rows_early_from_one_compiled_rollout(model, rtn_rollout):
     """A traced `new_token_limit` ends rows after that many new tokens, in one compiled rollout
     for every limit: at `max_new_tokens` it is the unlimited rollout bit for bit; at 3 each row
     is the unlimited rollout's row cut after min(3, its own length) new tokens (row 0 stops at
     its second token either way), records included, and decode slots after the cut stay
     empty."""
     prompts, lengths = _prompts()
-    first = _generate(model, prompts, lengths, qcfg=QCFG, mode=SiteMode.RTN)
-    stop = int(np.asarray(first.tokens)[0, int(lengths[0]) + 1])  # row 0's second new token
+    stop = _second_new_token_of_row_0(rtn_rollout)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, stop_tokens=(stop,))
     keys = QCFG.all_keys(CFG32.n_layers)
     kw = dict(qcfg=QCFG, mode=SiteMode.RTN, sampling=sampling, capture=keys)
@@ -229,7 +259,7 @@ def test_new_token_limit_ends_rows_early_from_one_compiled_rollout(model):
         limited(jnp.array([3, 3]))
 
 
-def test_chunked_prefill_rollout_equals_one_piece(model):
+def test_chunked_prefill_rollout_equals_one_piece(model, full_guidance_rollout):
     """`prefill_chunk_tokens` bounds memory, not results: with chunks of whole prompts (2 rows of
     3: the last chunk overlaps) the rollout is the one-piece rollout bit for bit (tokens,
     log-probs, expert choices, guidance at every slot); chunks of 4 of the 6 prompt positions
@@ -246,7 +276,7 @@ def test_chunked_prefill_rollout_equals_one_piece(model):
         with jax.default_matmul_precision("highest"):
             return _generate(model, prompts, lengths, sampling=sampling, **kw)
 
-    one_piece, rows, positions = rollout(8192), rollout(12), rollout(4)
+    one_piece, rows, positions = full_guidance_rollout, rollout(12), rollout(4)
     for got, want in zip(jax.tree.leaves(rows), jax.tree.leaves(one_piece), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for field in ("tokens", "lengths", "expert_choices"):
@@ -274,18 +304,8 @@ def test_temperature_sampling_and_filters():
         SamplingConfig(max_new_tokens=0)
 
 
-def test_packed_cache_holds_the_sites_codes(model):
-    prompts, lengths = _prompts()
-    keys = QCFG.all_keys(CFG32.n_layers)
-    r = _generate(
-        model,
-        prompts,
-        lengths,
-        qcfg=QCFG,
-        mode=SiteMode.RTN,
-        capture=keys,
-        capture_mode=fp4.GuidanceMode.FULL,
-    )
+def test_packed_cache_holds_the_sites_codes(full_guidance_rollout):
+    r = full_guidance_rollout
     cache = init_cache(CFG32, batch=3, max_len=12, kv_format="nvfp4")
     assert isinstance(cache.layers[0], PackedLayerKVCache)
     assert cache.layers[0].k.codes.dtype == jnp.uint8 and cache.layers[0].k.codes.shape[-1] == 8

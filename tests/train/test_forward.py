@@ -24,6 +24,8 @@ ALL_GUIDED = QuantConfig.nvfp4(guided_layers=tuple(range(CFG.n_layers)))
 # Jitted like a real trainer. (Run eagerly, every bf16 op rounds its output and the trainer's
 # values drift far from the jitted rollout's: 20-40% code mismatch in the last layer.)
 train_forward_jit = nnx.jit(train_forward, static_argnames=("qcfg", "mode", "replay"))
+# One worker runs the module: its tests share the rollout fixtures and the compiled forwards.
+pytestmark = pytest.mark.xdist_group("train_forward")
 
 
 @pytest.fixture(scope="module")
