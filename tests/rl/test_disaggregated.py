@@ -25,14 +25,13 @@ from flax import nnx
 from tests.rl.rollouts import loop_config_dict
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceStore, GuidanceStoreConfig
-from trace_jax.rl import disaggregated, workers
+from trace_jax.rl import disaggregated, policy_bundles, workers
 from trace_jax.rl.disaggregated import (
     Heartbeat,
     PartnerGoneError,
     PartnerWatch,
     WorkdirReusedError,
     load_rollout,
-    policy_prefix,
     read_heartbeat,
     refuse_reused_workdir,
     run_rollout,
@@ -43,6 +42,7 @@ from trace_jax.rl.disaggregated import (
 from trace_jax.rl.exchange import Exchange, ExchangeExistsError
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
+from trace_jax.rl.policy_bundles import PolicyPrefetcher, policy_prefix, publish_policy
 from trace_jax.rl.workers import RolloutBatch, RolloutWorker, init_policy
 
 # One pytest-xdist worker runs the tests that compare with the single-process reference.
@@ -133,7 +133,7 @@ def test_policy_publisher_writes_each_version_as_submitted_behind_the_trainer(
     config = _config()
     model = init_policy(config, None)
     exchange = Exchange.at(str(tmp_path))
-    release, real_publish = threading.Event(), disaggregated.publish_params
+    release, real_publish = threading.Event(), policy_bundles.publish_params
 
     def held_publish(exchange, params, version):  # before the device -> host copy
         assert release.wait(60)
@@ -141,7 +141,7 @@ def test_policy_publisher_writes_each_version_as_submitted_behind_the_trainer(
             raise OSError("disk full")
         real_publish(exchange, params, version)
 
-    monkeypatch.setattr(disaggregated, "publish_params", held_publish)
+    monkeypatch.setattr(policy_bundles, "publish_params", held_publish)
     params = nnx.state(model, nnx.Param)
     leaves = jax.tree.leaves(params)  # the arrays themselves (the state follows the model)
     # Host copies of copies: a host copy of `params` itself would be cached on them.
@@ -149,11 +149,11 @@ def test_policy_publisher_writes_each_version_as_submitted_behind_the_trainer(
     donating_update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)
 
     def assert_version(version, offset):
-        got = disaggregated.load_policy(exchange, version, nnx.state(model, nnx.Param))
+        got = policy_bundles.load_policy(exchange, version, nnx.state(model, nnx.Param))
         for a, b in zip(jax.tree.leaves(got), submitted, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b + offset)
 
-    with disaggregated.PolicyPublisher(exchange) as publisher:
+    with policy_bundles.PolicyPublisher(exchange) as publisher:
         assert publisher.submit(model, 1) < 5  # its write waits for `release`
         nnx.update(model, donating_update(params))  # the next step's update
         assert all(x.is_deleted() for x in leaves)  # donated
@@ -169,6 +169,61 @@ def test_policy_publisher_writes_each_version_as_submitted_behind_the_trainer(
     assert_version(2, 1)
     assert_version(5, 1)
     assert not exchange.committed(policy_prefix(1))
+
+
+def test_policy_prefetcher_reads_the_next_version_ahead_and_stops_when_closed(
+    tmp_path, monkeypatch
+):
+    """`prefetch` waits for and reads a version in the background; `take` returns it placed as
+    the model's parameters, waiting for a version published later, and raises what failed in
+    the background (a bundle of other parameters); `close` stops a prefetch that waits for a
+    version never published at once, not after the wait's time limit."""
+    config = _config()
+    model = init_policy(config, None)
+    exchange = Exchange.at(str(tmp_path))
+    params = nnx.state(model, nnx.Param)
+    expected = jax.device_get(jax.tree.map(jnp.copy, jax.tree.leaves(params)))
+
+    waiting = threading.Event()  # the prefetcher waits for a version not yet published
+
+    def wait(key, what, stop):
+        if not exchange.exists(key):
+            waiting.set()
+        wait_for(exchange, key, what, timeout_s=60.0, stop=stop)
+
+    def assert_params(state, offset=0.0):
+        for a, b in zip(jax.tree.leaves(state), expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b + offset)
+
+    read, real_read = threading.Event(), policy_bundles.read_policy
+
+    def read_policy(*args):
+        host = real_read(*args)
+        read.set()
+        return host
+
+    monkeypatch.setattr(policy_bundles, "read_policy", read_policy)
+    publish_policy(exchange, model, 0)
+    with PolicyPrefetcher(exchange, params, wait) as policies:
+        policies.prefetch(0)
+        assert read.wait(60)
+        exchange.delete(policy_prefix(0))  # read ahead: `take` reads nothing more
+        assert_params(policies.take(0))
+        policies.prefetch(2)  # published only later, by another thread
+        nnx.update(model, jax.tree.map(lambda x: x + 1, params))
+        later = threading.Timer(0.3, publish_policy, (exchange, model, 2))
+        later.start()
+        assert_params(policies.take(2), 1.0)
+        later.join()
+        exchange.write_arrays(policy_prefix(3), {"w": np.zeros(3, np.float32)}, {"version": 3})
+        policies.prefetch(3)
+        with pytest.raises(ValueError, match="other parameters than this model"):
+            policies.take(3)
+        waiting.clear()
+        policies.prefetch(4)  # never published
+        assert waiting.wait(60)
+        t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 10
 
 
 def test_rollout_batches_round_trip(tmp_path):

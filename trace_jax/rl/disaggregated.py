@@ -10,9 +10,10 @@ need a shared disk. Everything they pass goes through the exchange (`trace_jax.r
 "" is the workdir, which the two processes then share.
   * policy: the trainer publishes version v (= optimizer steps so far) as a bundle `policy/<v>/`
     (one object per parameter, crc32 each), written on a thread of its own behind the trainer's
-    next step (`PolicyPublisher`); the rollout process of step t waits for version
-    `(t - lag) * M` (M mini-batches per step, `lag` = `config.disaggregated.lag`) and loads it,
-    verified. That handshake is the only way parameters travel; the newest `lag + 2` are kept.
+    next step; the rollout process of step t waits for version `(t - lag) * M` (M mini-batches
+    per step, `lag` = `config.disaggregated.lag`) and loads it, verified, read on a thread of its
+    own behind the rollout of the step before (`trace_jax.rl.policy_bundles`). That handshake is
+    the only way parameters travel; the newest `lag + 2` are kept.
   * rollout batch: the rollout process commits the bundle `rollouts/<t>/` (tokens, lengths,
     log-probs, masks, expert choices, the version that sampled it), once every guidance entry of
     the step is committed; the trainer deletes it once trained.
@@ -37,14 +38,12 @@ its role logged or an exchange where its role beat before (`refuse_reused_workdi
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import socket
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -53,6 +52,12 @@ from trace_jax.guidance import GuidanceStore
 from trace_jax.rl.exchange import Exchange, ExchangeCorruptError, ExchangeError, manifest_key
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.metrics_log import MetricsLog
+from trace_jax.rl.policy_bundles import (
+    PolicyPrefetcher,
+    PolicyPublisher,
+    policy_prefix,
+    publish_policy,
+)
 from trace_jax.rl.sharding import experiment_mesh
 from trace_jax.rl.workdir import guard_workdir
 from trace_jax.rl.workers import RolloutBatch, RolloutWorker, Trainer, init_policy
@@ -72,6 +77,10 @@ class PartnerGoneError(RuntimeError):
     exited."""
 
 
+class WaitStoppedError(RuntimeError):
+    """A wait for the partner's object was stopped by its owner (`wait_for(stop=...)`)."""
+
+
 class WorkdirReusedError(FileExistsError):
     """The workdir or the exchange holds an earlier run of a role (`refuse_reused_workdir`)."""
 
@@ -89,10 +98,6 @@ def run_exchange(config: ExperimentConfig, workdir: str) -> Exchange:
 
 def rollout_prefix(step: int) -> str:
     return f"rollouts/{step}/"
-
-
-def policy_prefix(version: int) -> str:
-    return f"policy/{version}/"
 
 
 def heartbeat_key(role: str) -> str:
@@ -214,12 +219,16 @@ def wait_for(
     timeout_s: float,
     poll_s: float = 0.05,
     partner: PartnerWatch | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
     """Blocks until `key` exists in `exchange`; TimeoutError naming `what` after `timeout_s`
-    seconds, or PartnerGoneError as soon as `partner` (the process that writes `key`) is gone."""
+    seconds, PartnerGoneError as soon as `partner` (the process that writes `key`) is gone,
+    WaitStoppedError once `stop` is set (the waiter's owner closes)."""
     deadline = time.monotonic() + timeout_s
     where = exchange.where(key)
     while not exchange.exists(key):
+        if stop is not None and stop.is_set():
+            raise WaitStoppedError(f"stopped waiting for the {what} at {where}")
         if partner is not None:
             try:
                 partner.check(f"the {what} at {where}")
@@ -310,100 +319,6 @@ def publish_rollout(
     save_rollout(exchange, batch)
 
 
-def publish_policy(exchange: Exchange, model: nnx.Module, version: int) -> None:
-    """Commits `model`'s parameters as the bundle `policy_prefix(version)` (one array per
-    parameter, named by its key path; this process must hold every shard of each)."""
-    publish_params(exchange, nnx.state(model, nnx.Param), version)
-
-
-def publish_params(exchange: Exchange, params: nnx.State, version: int) -> None:
-    """`publish_policy` of the parameter state `params` (device or host arrays)."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    arrays = {jax.tree_util.keystr(p): np.asarray(jax.device_get(x)) for p, x in leaves}
-    exchange.write_arrays(policy_prefix(version), arrays, {"version": version})
-
-
-class PolicyPublisher:
-    """The trainer's side of the policy handshake, behind its steps: `submit` takes a device
-    copy of the model's parameters at once (the next update donates them) and writes that
-    version's bundle, then deletes the bundles the step consumed, on one background thread,
-    while the trainer goes on to its next batch. Versions commit in order: a `submit` first
-    waits for the previous one and raises its failure, so at most one bundle is in flight and
-    the trainer learns of a failed write one step later at most. `close` waits for the last.
-    """
-
-    def __init__(self, exchange: Exchange):
-        self.exchange = exchange
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish")
-        self._pending: concurrent.futures.Future | None = None
-
-    def submit(self, model: nnx.Module, version: int, delete: tuple[str, ...] = ()) -> float:
-        """Starts publishing `model`'s parameters as `version`, then deleting the bundles at
-        the prefixes `delete`. Returns the seconds spent waiting for the previous version."""
-        params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-        waited = self.wait()
-        self._pending = self._pool.submit(self._publish, params, version, delete)
-        return waited
-
-    def wait(self) -> float:
-        """Waits for the version in flight (raising its failure); returns the seconds waited."""
-        pending, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        if pending is not None:
-            pending.result()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        """Waits for the version in flight (raising its failure) and stops the thread."""
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> PolicyPublisher:
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if kind is None:
-            self.close()
-            return
-        try:  # another failure is propagating: the write in flight ends first, quietly
-            self.close()
-        except Exception as e:
-            log.error("publishing the last policy version failed too: %s", e)
-
-    def _publish(self, params: nnx.State, version: int, delete: tuple[str, ...]) -> None:
-        publish_params(self.exchange, params, version)
-        for prefix in delete:
-            self.exchange.delete(prefix)
-
-
-def load_policy(exchange: Exchange, version: int, target: nnx.State) -> nnx.State:
-    """Policy `version`, verified, as `target` (the model's `nnx.Param` state) is laid out:
-    each array placed with the sharding of `target`'s. ValueError when the policy holds other
-    parameters (names, shapes or dtypes) than `target`."""
-    where = exchange.where(policy_prefix(version))
-    _, arrays = exchange.read_arrays(policy_prefix(version))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    names = [jax.tree_util.keystr(p) for p, _ in leaves]
-    if set(names) != set(arrays):
-        raise ValueError(
-            f"{where} holds other parameters than this model: it lacks "
-            f"{sorted(set(names) - set(arrays))[:3]}, the model lacks "
-            f"{sorted(set(arrays) - set(names))[:3]}"
-        )
-    placed = []
-    for name, (_, x) in zip(names, leaves, strict=True):
-        got = arrays[name]
-        if got.shape != x.shape or got.dtype != x.dtype:
-            raise ValueError(
-                f"{where}: {name} is {got.dtype}{list(got.shape)}, the model's "
-                f"{x.dtype}{list(x.shape)}"
-            )
-        placed.append(jax.device_put(got, x.sharding))
-    return jax.tree_util.tree_unflatten(treedef, placed)
-
-
 def run_rollout(config: ExperimentConfig, workdir: str) -> list[dict]:
     """The rollout process: for each step, wait for its policy version, load it, sample, publish.
     Returns its log rows (`rollout_log.jsonl` in `workdir`): policy version and seconds per
@@ -426,19 +341,29 @@ def _rollout_steps(
     lag, timeout_s = config.disaggregated.lag, config.disaggregated.timeout_s
     mesh = experiment_mesh(config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     worker = RolloutWorker(config, init_policy(config, mesh), config.method_setup(), mesh)
-    rows = []
+    rows, m = [], config.rl.grpo.mini_batches
+
+    def wait(key: str, what: str, stop: threading.Event) -> None:
+        wait_for(exchange, key, what, timeout_s, partner=partner, stop=stop)
+
+    params = nnx.state(worker.model, nnx.Param)  # the layout every version is placed in
     with (
         GuidanceStore(exchange.sub_config("guidance/")) as store,
         MetricsLog(workdir, "rollout_log") as rollout_log,
+        PolicyPrefetcher(exchange, params, wait) as policies,
     ):
-        for step in range(config.rl.steps):
+        versions = [max(0, step - lag) * m for step in range(config.rl.steps)]
+        loaded = None
+        policies.prefetch(versions[0])
+        for step, version in enumerate(versions):
             beat.step = step
-            version = max(0, step - lag) * config.rl.grpo.mini_batches
             t0 = time.perf_counter()
-            key = manifest_key(policy_prefix(version))
-            wait_for(exchange, key, f"policy version {version}", timeout_s, partner=partner)
-            params = nnx.state(worker.model, nnx.Param)
-            nnx.update(worker.model, load_policy(exchange, version, params))
+            if version != loaded:  # the prefetched version, placed on the devices
+                nnx.update(worker.model, policies.take(version))
+                loaded = version
+            upcoming = versions[step + 1] if step + 1 < len(versions) else loaded
+            if upcoming != loaded:  # read behind this step's rollout
+                policies.prefetch(upcoming)
             t1 = time.perf_counter()
             batch = worker.rollout(step, version)  # mismatch statistics: RLLoop only
             t2 = time.perf_counter()
@@ -446,6 +371,7 @@ def _rollout_steps(
             t3 = time.perf_counter()
             row = {
                 "policy_version": version,
+                # Waiting for the version and placing it; reading it runs behind the rollout.
                 "time_wait_policy_s": t1 - t0,
                 "time_rollout_s": t2 - t1,
                 "time_publish_s": t3 - t2,
