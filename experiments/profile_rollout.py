@@ -7,8 +7,8 @@ profile's trace (the events of the device's "Stream" threads: one event per kern
 so nothing is counted twice); per kernel name, the prefill's share is the one-token rollout's time,
 and a decode step's share is (whole - one-token) / (N - 1), the same slope `rollout_throughput`
 times. Kernels are grouped (`kernel_group`): the Pallas FP4 kernels, the bf16 Pallas grouped matmul,
-the Pallas prefill attention, library matmuls (cuBLAS / cuDNN / CUTLASS), XLA fusions, copies and
-the rest. Device-busy time is the sum of kernel times (streams overlap little in these
+the Pallas prefill attention, library attention (cuDNN) and matmuls (cuBLAS / cuDNN / CUTLASS),
+XLA fusions, copies and the rest. Device-busy time is the sum of kernel times (streams overlap little in these
 programs); the gap to the step's wall time is launch latency and idle. On the CPU backend (the
 smoke run) the host's XLA thunks stand in for kernels.
 
@@ -48,7 +48,10 @@ from trace_jax.rollout.variants import (
 # (group, pattern on the lower-cased kernel name); the first match wins
 KERNEL_GROUPS = (
     ("pallas fp4", r"fp4"),
-    ("pallas bf16 grouped matmul", r"gmm|grouped|moe_matmul"),
+    # cuDNN's fused attention ("..._sdpa_..._flash_fprop_wgmma_..."), before the grouped matmul:
+    # Hopper's "wgmma" instruction names hold "gmm"
+    ("library attention", r"sdpa|fmha|flash_fprop"),
+    ("pallas bf16 grouped matmul", r"(?<![a-z])gmm|grouped|moe_matmul"),
     ("pallas prefill attention", r"prefill_attention"),
     ("library matmul", r"gemm|nvjet|cutlass|sm90|cublas|cudnn|xmma"),
     ("copy / memset", r"memcpy|memset|copy"),

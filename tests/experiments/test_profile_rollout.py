@@ -133,6 +133,8 @@ def test_on_the_cpu_the_host_thunks_that_name_their_hlo_op_are_counted_control_f
         ("FP4_Decode_Attn", "pallas fp4"),
         ("grouped_matmul__1", "pallas bf16 grouped matmul"),
         ("gmm", "pallas bf16 grouped matmul"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "library attention"),
+        ("sm90_xmma_gemm_bf16bf16_wgmma_64x128", "library matmul"),  # "wgmma" is no "gmm"
         ("fp4_moe_matmul_predecoded", "pallas fp4"),
         ("prefill_attention", "pallas prefill attention"),
         ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "library matmul"),
