@@ -8,9 +8,9 @@ so nothing is counted twice); per kernel name, the prefill's share is the one-to
 and a decode step's share is (whole - one-token) / (N - 1), the same slope `rollout_throughput`
 times. Kernels are grouped (`kernel_group`): the Pallas FP4 kernels, the bf16 Pallas grouped matmul,
 the Pallas prefill attention, library attention (cuDNN) and matmuls (cuBLAS / cuDNN / CUTLASS),
-XLA fusions, copies and the rest. Device-busy time is the sum of kernel times (streams overlap little in these
-programs); the gap to the step's wall time is launch latency and idle. On the CPU backend (the
-smoke run) the host's XLA thunks stand in for kernels.
+XLA fusions, copies and the rest. Device-busy time is the sum of kernel times (streams overlap
+little in these programs); the gap to the step's wall time is launch latency and idle. On the
+CPU backend (the smoke run) the host's XLA thunks stand in for kernels.
 
 Results: `<outdir>/<name>.{json,md}`, per variant and phase the groups and the top kernels.
 Command lines: configs/profile_rollout.py.
