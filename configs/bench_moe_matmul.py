@@ -122,6 +122,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.d_ff = 768  # N: one expert's gate / up projection
     # (name, rows M = tokens x top-k): batch 64 x top-8 at decode; 1K and 8K prompt tokens x top-8.
     c.phases = (("decode", 512), ("prefill_small", 8192), ("prefill", 65536))
+    # Rows per expert: 0 uniform at random; s > 0 expert e drawn with probability proportional
+    # to (e + 1) ** -s (a skewed router; rows report the busiest expert's rows over the mean).
+    c.routing_skew = 0.0
     c.ceiling_bytes = 1 << 30  # data read by the bandwidth ceilings
     c.rounds = 3  # side-by-side rounds of the best configs (medians reported)
     # Then each inside one device loop of about this many seconds of calls (0: not timed so),

@@ -1,7 +1,8 @@
 r"""Grouped expert matmul at decode and prefill sizes: bf16 XLA baselines, the bf16 and FP4 Pallas
 kernels over their block configs, against the dense bf16 rate and the read bandwidth.
 
-Per phase (M rows routed at random to G experts, `[M, K] x [G, N, K]`), side by side:
+Per phase (M rows routed at random to G experts, uniformly or skewed by `config.routing_skew`,
+`[M, K] x [G, N, K]`), side by side:
   ragged_dot     bf16 `jax.lax.ragged_dot` (XLA; densifies over the experts on a GPU)
   tiled          bf16 `trace_jax.models.grouped_matmul.tiled_ragged_dot` (XLA)
   pallas_bf16    `kernels_pallas.grouped_matmul` (bf16 weights)
@@ -63,11 +64,18 @@ COLUMNS += ["block_config"]
 
 def operands(config: ConfigDict, m: int) -> dict:
     """Random operands of one phase: x bf16 [M, K], w_nk bf16 [G, N, K] (w_kn its [G, K, N]),
-    packed NVFP4 weights, NVFP4 activations, and group sizes of M rows routed at random."""
+    packed NVFP4 weights, NVFP4 activations, and group sizes of M rows routed at random:
+    uniformly (`config.routing_skew` 0), else expert e with probability proportional to
+    (e + 1) ** -routing_skew (Zipf: a router that sends many rows to a few experts)."""
     g, k, n = config.experts, config.d_model, config.d_ff
     w = jax.random.normal(jax.random.key(7), (g, n, k), jnp.float32) * 0.02
     x = jax.random.normal(jax.random.key(8), (m, k), jnp.bfloat16)
-    groups = jax.random.randint(jax.random.key(9), (m,), 0, g)
+    skew = config.get("routing_skew", 0.0)
+    if skew:
+        logits = -skew * jnp.log(jnp.arange(1, g + 1, dtype=jnp.float32))
+        groups = jax.random.categorical(jax.random.key(9), logits, shape=(m,))
+    else:
+        groups = jax.random.randint(jax.random.key(9), (m,), 0, g)
     w_nk = w.astype(jnp.bfloat16)
     return {
         "x": x,
@@ -191,6 +199,8 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
         row = {"phase": phase, "M": m, "G": config.experts, "K": config.d_model}
         row |= {"N": config.d_ff, "kernel": name}
         row["active_experts"] = int(jnp.count_nonzero(ops["sizes"]))
+        row["routing_skew"] = config.get("routing_skew", 0.0)
+        row["max_over_mean_rows"] = float(jnp.max(ops["sizes"])) * config.experts / m
         if name in SWEPT:
             row["block_config"] = best[name]["config"] if best[name] else None
         if name not in ms:

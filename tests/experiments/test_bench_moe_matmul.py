@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from configs import bench_moe_matmul as config_module
@@ -82,3 +84,23 @@ def test_predecoded_kernels_loop_over_their_packed_weights():
         _, args = bench.kernel_call(name, ops)
         carried = args[bench.LOOP_CARRY_ARG.get(name, 0)]
         assert carried is (ops["packed"] if name in bench.PREDECODED else args[0]), name
+
+
+def test_routing_skew_sends_more_rows_to_the_first_experts():
+    """Uniform routing (skew 0) keeps the group sizes drawn before; a Zipf skew of 1 over 8
+    experts sends expert e about 1 / (e + 1) of the first's rows: the sizes' shares are within
+    sampling noise of (e + 1) ** -1 / H_8, far from uniform's 1/8."""
+    config = config_module.get_config("smoke")
+    config.experts = 8
+    m = 4096
+    uniform = np.asarray(bench.operands(config, m)["sizes"])
+    groups = jax.random.randint(jax.random.key(9), (m,), 0, 8)
+    np.testing.assert_array_equal(uniform, np.bincount(np.asarray(groups), minlength=8))
+    config.routing_skew = 1.0
+    sizes = np.asarray(bench.operands(config, m)["sizes"])
+    assert sizes.sum() == m
+    expected = 1.0 / np.arange(1, 9)
+    expected /= expected.sum()
+    # binomial standard error of a share at m = 4096 rows is at most 0.008; allow 4 of them
+    np.testing.assert_allclose(sizes / m, expected, atol=0.032)
+    assert sizes[0] > 2 * m / 8  # the busiest expert holds over twice the uniform share
