@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from absl import app, flags
 
@@ -39,7 +40,7 @@ from trace_jax.tables.step_time import PHASES, step_times
 COLUMNS = (
     "section", "setting", "gpus", "processes", "prompts_per_step", "time_step_s",
     *PHASES, "steps_per_s", "samples_per_s", "efficiency", "staleness_mean", "staleness_max",
-    "exact_equal", "max_rel_diff", "wall_s",
+    "exact_equal", "max_rel_diff", "wall_s", "measured",
 )  # fmt: skip
 
 
@@ -168,13 +169,17 @@ def run(cfg, workdir: str, outdir: str, name: str) -> list[dict]:
             rows = [r for r in json.load(f)["rows"] if r["section"] not in cfg.measure]
     order = {s: i for i, s in enumerate(scale_out.SECTIONS)}
     for section in cfg.measure:
-        rows += getattr(measurement, section)()
+        new = getattr(measurement, section)()
+        # Each row keeps when it was measured: the table merges sections of several runs.
+        measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        rows += [{**r, "measured": measured} for r in new]
         rows.sort(key=lambda r: order[r["section"]])
         table = harness.write_table(
             name, rows, COLUMNS, title="Scale-out on one host", outdir=outdir,
             notes=f"Every job: `{cfg.experiment}` with {', '.join(cfg.overrides)}; "
             f"{cfg.steps} steps ({cfg.disaggregated_steps} for the pair), the first {cfg.skip} "
-            "left out of the medians. `efficiency`: samples per second over one GPU's, per GPU.",
+            "left out of the medians. `efficiency`: samples per second over one GPU's, per GPU; "
+            "`measured`: when the row's section ended (sections may come from different runs).",
         )  # fmt: skip
         print(table)
     return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -83,6 +84,8 @@ def test_every_section_on_four_gpus_then_one_section_again(tmp_path, monkeypatch
     np.testing.assert_allclose([r["efficiency"] for r in weak], [1, 0.64 / 0.74, 0.64 / 0.94])
     written = json.loads((tmp_path / "mg.json").read_text())["rows"]
     assert [r["setting"] for r in written] == [r["setting"] for r in rows]
+    # Each row says when its section was measured (the rows kept below keep theirs).
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", r["measured"]) for r in written)
     assert "| weak_scaling | 4 GPUs | 4 | 4 |" in (tmp_path / "mg.md").read_text()
 
     # Weak scaling again, twice as slow: its rows replaced, the others kept.
