@@ -67,6 +67,7 @@ from trace_jax.rollout.variants import (
     decode_step_bytes,
     rollout_inputs,
     rollout_policy,
+    routing_balance,
     run_full_length,
 )
 
@@ -76,7 +77,8 @@ import matplotlib.pyplot as plt
 REQUIRED_ROW_KEYS = ("batch", "prompt_len", "new_tokens", "variants")
 TABLE_COLUMNS = ["batch", "prompt_len", "new_tokens", "variant", "tokens_per_s", "speedup_vs_bf16"]
 TABLE_COLUMNS += ["prefill_ms", "decode_ms_per_step", "byte_limit_ms", "byte_limit_ratio"]
-TABLE_COLUMNS += ["compile_s", "temp_gib", "error"]
+TABLE_COLUMNS += ["prefill_busiest_over_mean", "decode_active_experts", "compile_s", "temp_gib"]
+TABLE_COLUMNS += ["error"]
 COMPILE_COLUMNS = [*TABLE_COLUMNS[:4], "compile_s", "temp_gib", "error"]
 
 
@@ -123,8 +125,10 @@ class RolloutBench:
     def prepare(self, variant: str, row: tuple[int, int, int], inputs) -> dict:
         """Compiles `variant`'s rollout of `row` (`compile_rollout`: one compile for every
         `new_token_limit`) and runs one whole rollout as its warm-up (not with
-        `config.compile_only`) -> {"call", "compile_s", "temp_gib"}; raises what compiling or
-        running raises."""
+        `config.compile_only`) -> {"call", "compile_s", "temp_gib", and after the warm-up
+        "routing": `routing_balance` per layer and its summaries "prefill_busiest_over_mean"
+        (median over layers) and "decode_active_experts" (mean over layers)}; raises what
+        compiling or running raises."""
         new_tokens = row[2]
         fmt, chunk = self.config.format, self.config.prefill_chunk_tokens
         ready = compile_rollout(
@@ -137,7 +141,13 @@ class RolloutBench:
             prefill_chunk_tokens=chunk,
         )
         if not self.config.compile_only:
-            run_full_length(ready, inputs, variant, new_tokens)
+            roll = run_full_length(ready, inputs, variant, new_tokens)
+            routing = routing_balance(roll, self.cfg.n_experts)
+            ready.update(
+                routing=routing,
+                prefill_busiest_over_mean=statistics.median(routing["prefill_busiest_over_mean"]),
+                decode_active_experts=statistics.fmean(routing["decode_active_experts"]),
+            )
         return ready
 
     def measure(self, row: tuple[int, int, int], run: int) -> dict:
@@ -366,8 +376,11 @@ def notes(config: ConfigDict, cfg: ModelConfig) -> str:
         "decode step reads (mean context, expected distinct experts) over the read bandwidth "
         "measured in the same command. Speedups and capture overheads are medians of same-round "
         "ratios. `+ compact`: TRACE's compact guidance at its guided sites; `+ full`: full codes "
-        "at every FP4 site. Each entry's command is `runs[entry.run]` in the JSON."
-        + (harness.SMOKE_NOTE if config.smoke else "")
+        "at every FP4 site. `prefill_busiest_over_mean`: in one prompt's prefill, the busiest "
+        "expert's rows over the mean (median over layers; uniform routing about 1.1, every token "
+        "on the same top-k experts n_experts / top_k); `decode_active_experts`: experts with rows "
+        "in one decode step (mean over layers; `routing` per layer in the JSON). Each entry's "
+        "command is `runs[entry.run]` in the JSON." + (harness.SMOKE_NOTE if config.smoke else "")
     )
 
 

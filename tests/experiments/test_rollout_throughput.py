@@ -81,6 +81,11 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
         assert e["byte_limit_ratio"] == pytest.approx(e["decode_ms_per_step"] / limit)
         assert e["compile_s"] > 0 and e["run"] == 0
         assert e["temp_gib"] > 0  # XLA's temporary buffers of the rollout
+        # The warm-up rollout's routing, per layer of the smoke model.
+        assert [len(x) for x in e["routing"].values()] == [config.model.n_layers] * 3
+        n_experts, top_k = ModelConfig.tiny().n_experts, ModelConfig.tiny().top_k
+        assert 1 <= e["prefill_busiest_over_mean"] <= n_experts / top_k
+        assert top_k <= e["decode_active_experts"] <= min(n_experts, 2 * top_k)  # 2 rows
     s = {name: v[name]["rollout_s"] for name in ("bf16", "fp4")}
     assert row["fp4_speedup_vs_bf16"] == pytest.approx(s["bf16"] / s["fp4"])
     assert v["fp4"]["speedup_vs_bf16"] == row["fp4_speedup_vs_bf16"]
@@ -375,6 +380,37 @@ def test_timing_times_compiled_calls_as_they_are():
     compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
     rounds = timing.time_interleaved({"c": (compiled, (jnp.ones(3),))}, rounds=2, warmup=0)
     assert len(rounds["c"]) == 2 and all(t > 0 for t in rounds["c"])
+
+
+def test_routing_balance_counts_each_prompt_s_rows_and_each_decode_step_s_experts():
+    """Against per-row counts written out by loops: prompts of 5 and 3 tokens, rows ending at 9
+    and 8 (decode slots 5 and 6 are processed by both), 2 layers, top-2 of 4 experts."""
+    rng = np.random.default_rng(0)
+    choices = rng.integers(0, 4, size=(2, 2, 9, 2)).astype(np.int32)
+    choices[1, 0, :5] = [0, 1]  # layer 1, prompt 0: every token on experts 0 and 1
+    roll = types.SimpleNamespace(
+        expert_choices=jnp.asarray(choices),
+        prompt_lengths=jnp.array([5, 3]),
+        lengths=jnp.array([9, 8]),
+    )
+    got = variants.routing_balance(roll, n_experts=4)
+    want_busiest, want_active, want_decode = [], [], []
+    for layer in range(2):
+        per_prompt = []
+        for b, p in ((0, 5), (1, 3)):
+            counts = [0] * 4
+            for s in range(p):
+                for e in choices[layer, b, s]:
+                    counts[e] += 1
+            per_prompt.append((max(counts) / (sum(counts) / 4), sum(c > 0 for c in counts)))
+        want_busiest.append((per_prompt[0][0] + per_prompt[1][0]) / 2)  # median of two
+        want_active.append((per_prompt[0][1] + per_prompt[1][1]) / 2)
+        steps = [len(set(choices[layer, :, s].reshape(-1).tolist())) for s in (5, 6)]
+        want_decode.append(sum(steps) / 2)
+    np.testing.assert_allclose(got["prefill_busiest_over_mean"], want_busiest)
+    np.testing.assert_allclose(got["prefill_active_experts"], want_active)
+    np.testing.assert_allclose(got["decode_active_experts"], want_decode)
+    assert got["prefill_busiest_over_mean"][1] >= (2.0 + 1) / 2  # prompt 0 of layer 1: 4 / 2
 
 
 def test_a_rollout_that_stops_early_is_refused():

@@ -25,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from trace_jax.fp4 import GuidanceMode
@@ -37,7 +38,7 @@ from trace_jax.models import (
 )
 from trace_jax.quant import SiteMode
 from trace_jax.rl.methods import get_method
-from trace_jax.rollout.sampler import generate
+from trace_jax.rollout.sampler import Rollout, generate
 from trace_jax.rollout.sampling import SamplingConfig
 
 
@@ -153,13 +154,47 @@ def compile_rollout(
     return ready
 
 
-def run_full_length(ready: dict, inputs: tuple, variant: str, new_tokens: int) -> None:
+def run_full_length(ready: dict, inputs: tuple, variant: str, new_tokens: int) -> Rollout:
     """Runs the compiled rollout of `compile_rollout` once at `new_tokens` (a warm-up) and
-    raises RuntimeError unless every sequence decoded all of them (rates assume it)."""
+    returns it; RuntimeError unless every sequence decoded all of them (rates assume it)."""
     roll = jax.block_until_ready(ready["call"](*inputs, jnp.int32(new_tokens)))
     decoded, want = int((roll.lengths - roll.prompt_lengths).sum()), inputs[1].shape[0] * new_tokens
     if decoded != want:
         raise RuntimeError(f"{variant}: {decoded} tokens decoded, want {want}")
+    return roll
+
+
+def routing_balance(roll: Rollout, n_experts: int) -> dict[str, list[float]]:
+    """How evenly `roll`'s router spread its rows over the experts, per layer, as the grouped
+    matmuls see them (a random-init router may send nearly every token to the same few experts,
+    which slows the Pallas kernels: `moe_matmul_routing_skew.md`):
+    "prefill_busiest_over_mean": one prompt's rows (its tokens x top-k), the busiest expert's
+      count over the mean count, the median over the batch's prompts;
+    "prefill_active_experts": experts with rows in one prompt, the median over prompts;
+    "decode_active_experts": experts with rows in one decode step of the whole batch (rows at
+      one response slot), the mean over the steps every row decodes.
+    Uniform routing of a long prompt gives a busiest-over-mean near 1.1 and every expert active
+    (a decode step: `expected_active_experts`); every token on the same top_k experts gives
+    n_experts / top_k (16 for 8 of 128) and top_k active experts."""
+    choices = np.asarray(roll.expert_choices)  # [L, B, S, K]
+    prompt_lengths, lengths = np.asarray(roll.prompt_lengths), np.asarray(roll.lengths)
+    n_layers, batch, _, _ = choices.shape
+    busiest, active = np.zeros((n_layers, batch)), np.zeros((n_layers, batch))
+    for b in range(batch):
+        prompt = choices[:, b, : prompt_lengths[b]].reshape(n_layers, -1)
+        counts = np.stack([np.bincount(c, minlength=n_experts) for c in prompt])
+        busiest[:, b] = counts.max(1) / counts.mean(1)
+        active[:, b] = (counts > 0).sum(1)
+    # Response slots every row processed: from the longest prompt to the shortest row's last.
+    slots = range(int(prompt_lengths.max()), int(lengths.min()) - 1)
+    decode = [
+        [len(np.unique(choices[layer, :, s])) for s in slots] or [0] for layer in range(n_layers)
+    ]
+    return {
+        "prefill_busiest_over_mean": np.median(busiest, 1).tolist(),
+        "prefill_active_experts": np.median(active, 1).tolist(),
+        "decode_active_experts": [float(np.mean(d)) for d in decode],
+    }
 
 
 def expected_active_experts(n_experts: int, top_k: int, tokens: int) -> float:
