@@ -235,12 +235,13 @@ def run_first[T](order: Sequence, runners: Mapping[Any, Callable[[], T]]) -> tup
 
 
 def per_device[T](fn: Callable[..., T], *args, split_leading: bool = False) -> T:
-    """`fn(*args)`, a Mosaic kernel call (pytrees of arrays in and out), once per device of the
-    context mesh (`jax.set_mesh`) by `jax.shard_map` over its axes not manual yet; `fn(*args)`
-    itself without a mesh of more than one device.
+    """`fn(*args)`, a Pallas kernel call (Mosaic or Triton; pytrees of arrays in and out), once
+    per device of the context mesh (`jax.set_mesh`) by `jax.shard_map` over its axes not manual
+    yet; `fn(*args)` itself without a mesh of more than one device.
 
-    GSPMD cannot partition a Mosaic custom call (jax's lowering raises "Mosaic kernels cannot be
-    automatically partitioned"), so on a mesh every Mosaic kernel runs inside a shard_map.
+    GSPMD cannot partition a Pallas custom call: a Mosaic one fails to lower ("Mosaic kernels
+    cannot be automatically partitioned"), a Triton one gets all-gathered operands and runs on
+    the whole batch on every device. So on a mesh every Pallas kernel runs inside a shard_map.
     split_leading: every array of `args` has a leading axis of independent rows (a batch) of
       one size, split over the mesh axes whose sizes' product divides it (outermost first), the
       outputs' leading axis too; False: each device runs the whole op on gathered operands

@@ -18,6 +18,7 @@ Axis legend: B batch, H query heads, Hkv kv heads, G = H // Hkv, S cache slots, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -335,9 +336,10 @@ def fp4_decode_attention(
     if plan.implementation is Implementation.XLA:
         return fp4_reference_jit(q, k_cache, v_cache, lengths)
     if plan.lowering is Lowering.TRITON:
-        return kernel.fp4_decode_attention_pallas(
-            q, k_cache, v_cache, lengths, config=plan.config, interpret=plan.interpret
-        )
+        attend = functools.partial(
+            kernel.fp4_decode_attention_pallas, config=plan.config, interpret=plan.interpret
+        )  # sequences are independent, as for Mosaic below
+        return common.per_device(attend, q, k_cache, v_cache, lengths, split_leading=True)
 
     def run_mosaic():
         from kernels_pallas.fp4_decode_attention.mosaic import fp4_decode_attention_mosaic
@@ -420,6 +422,7 @@ def bf16_decode_attention(
     )
     if plan.implementation is Implementation.XLA:
         return bf16_reference_jit(q, k, v, lengths)
-    return kernel.bf16_decode_attention_pallas(
-        q, k, v, lengths, config=plan.config, interpret=plan.interpret
-    )
+    attend = functools.partial(
+        kernel.bf16_decode_attention_pallas, config=plan.config, interpret=plan.interpret
+    )  # sequences are independent: on a mesh each device attends its own (`common.per_device`)
+    return common.per_device(attend, q, k, v, lengths, split_leading=True)

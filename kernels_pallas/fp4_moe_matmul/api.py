@@ -221,13 +221,25 @@ def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
     if predecode is None:
         predecode = predecode_by_default(lhs.shape[0], rhs.shape[0])
     if predecode:
-        return _run_predecoded(
-            lhs, rhs, group_sizes, tiling=tiling, interpret=target.interpret, out_dtype=out_dtype
-        )
-    config = block_config(lhs, rhs, **tiling)
-    return fp4_moe_matmul_pallas(
-        lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype
-    )
+
+        def matmul(lhs, rhs, group_sizes):
+            return _run_predecoded(
+                lhs, rhs, group_sizes, tiling=tiling, interpret=target.interpret,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+
+    else:
+        config = block_config(lhs, rhs, **tiling)
+
+        def matmul(lhs, rhs, group_sizes):
+            return fp4_moe_matmul_pallas(
+                lhs, rhs, group_sizes, config=config, interpret=target.interpret,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+
+    # As for Mosaic: GSPMD cannot partition a Triton call either; groups span all rows, so each
+    # device runs the whole op (what GSPMD would do, made explicit: one code path).
+    return common.per_device(matmul, lhs, rhs, group_sizes)
 
 
 def _run_xla(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):

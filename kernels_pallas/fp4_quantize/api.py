@@ -10,6 +10,8 @@ loop_n are refused, num_warps and pack ignored).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -145,9 +147,16 @@ def fp4_quantize_with_implementation(
         def quantize(x, guidance):
             return _quantize_pallas(x, fmt, guidance, **launch)
 
-        if common.pallas_target(interpret).lowering is Lowering.MOSAIC:  # rows: independent
-            return common.per_device(quantize, x, guidance, split_leading=x.ndim > 1)
-        return quantize(x, guidance)
+        g = guidance
+        if g is not None and g.global_scale is not None and x.ndim > 1:
+            # A broadcast (per-tensor) global scale as one per row, so that every operand has
+            # the rows as its leading axis (`per_device`'s split); the kernel broadcasts it so.
+            g = dataclasses.replace(
+                g, global_scale=jnp.broadcast_to(g.global_scale, (*x.shape[:-1], 1))
+            )
+        # Rows are independent: on a mesh each device quantizes its own (Triton or Mosaic alike:
+        # GSPMD cannot partition either custom call and would gather the rows to every device).
+        return common.per_device(quantize, x, g, split_leading=x.ndim > 1)
 
     runners = {
         Implementation.PALLAS: run_pallas,

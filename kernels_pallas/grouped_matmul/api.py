@@ -170,9 +170,15 @@ def grouped_matmul_with_implementation(
 
             return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
         config = block_config(m, g, k, n, dtype=lhs.dtype, **tiling)
-        return grouped_matmul_pallas(
-            lhs, rhs, group_sizes, config=config, interpret=target.interpret, out_dtype=out_dtype
-        )
+
+        def triton_matmul(lhs, rhs, group_sizes):
+            return grouped_matmul_pallas(
+                lhs, rhs, group_sizes, config=config, interpret=target.interpret,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+
+        # As for Mosaic: GSPMD cannot partition the Triton call either (one code path).
+        return common.per_device(triton_matmul, lhs, rhs, group_sizes)
 
     def run_xla():
         return grouped_matmul_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)

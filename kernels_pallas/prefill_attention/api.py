@@ -87,9 +87,10 @@ def prefill_attention(
         if dh < kernel.MIN_BLOCK or dh & (dh - 1):
             raise NotImplementedError(f"the Triton kernel needs a power-of-two head_dim, got {dh}")
         config = block_config(t * g, s, **tiles)
-        return kernel.prefill_attention_pallas(
-            q, k, v, positions, kv_lengths, config=config, interpret=target.interpret
-        )
+        call = functools.partial(
+            kernel.prefill_attention_pallas, config=config, interpret=target.interpret
+        )  # as above: GSPMD cannot partition a Triton call either
+        return common.per_device(call, q, k, v, positions, kv_lengths, split_leading=True)
 
     def run_xla():
         return reference_jit(q, k, v, positions, jnp.minimum(kv_lengths, s))
