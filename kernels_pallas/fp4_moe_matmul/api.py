@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 
 import jax
@@ -200,45 +201,21 @@ def _run_pallas(lhs, rhs, group_sizes, *, tiling, interpret, out_dtype):
                 m, k, rhs.shape[1], jnp.bfloat16,
                 **{f: tiling[f] for f in ("block_m", "block_n", "block_k")},
             )  # fmt: skip
+            matmul = functools.partial(fp4_moe_matmul_predecoded_mosaic, tiling=tiles)
+        else:
+            from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
 
-            def predecoded_matmul(lhs, rhs, group_sizes):
-                return fp4_moe_matmul_predecoded_mosaic(
-                    lhs, rhs, group_sizes, tiling=tiles, interpret=target.interpret,
-                    out_dtype=out_dtype,
-                )  # fmt: skip
-
-            return common.per_device(predecoded_matmul, lhs, rhs, group_sizes)
-        from kernels_pallas.fp4_moe_matmul.mosaic import fp4_moe_matmul_mosaic
-
-        tiles = {f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None}
-
-        def matmul(lhs, rhs, group_sizes):
-            return fp4_moe_matmul_mosaic(
-                lhs, rhs, group_sizes, **tiles, interpret=target.interpret, out_dtype=out_dtype
-            )
-
-        return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
-    if predecode is None:
-        predecode = predecode_by_default(lhs.shape[0], rhs.shape[0])
-    if predecode:
-
-        def matmul(lhs, rhs, group_sizes):
-            return _run_predecoded(
-                lhs, rhs, group_sizes, tiling=tiling, interpret=target.interpret,
-                out_dtype=out_dtype,
-            )  # fmt: skip
-
+            tiles = {
+                f: tiling[f] for f in ("block_m", "block_n", "block_k") if tiling[f] is not None
+            }
+            matmul = functools.partial(fp4_moe_matmul_mosaic, **tiles)
+    elif predecode or (predecode is None and predecode_by_default(lhs.shape[0], rhs.shape[0])):
+        matmul = functools.partial(_run_predecoded, tiling=tiling)
     else:
-        config = block_config(lhs, rhs, **tiling)
-
-        def matmul(lhs, rhs, group_sizes):
-            return fp4_moe_matmul_pallas(
-                lhs, rhs, group_sizes, config=config, interpret=target.interpret,
-                out_dtype=out_dtype,
-            )  # fmt: skip
-
-    # As for Mosaic: GSPMD cannot partition a Triton call either; groups span all rows, so each
-    # device runs the whole op (what GSPMD would do, made explicit: one code path).
+        matmul = functools.partial(fp4_moe_matmul_pallas, config=block_config(lhs, rhs, **tiling))
+    # GSPMD cannot partition a Pallas call (Mosaic or Triton); the groups span all rows, so on a
+    # mesh each device runs the whole op.
+    matmul = functools.partial(matmul, interpret=target.interpret, out_dtype=out_dtype)
     return common.per_device(matmul, lhs, rhs, group_sizes)
 
 

@@ -14,6 +14,7 @@ and the reference alone elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -157,28 +158,14 @@ def grouped_matmul_with_implementation(
             tiles = megablox_tiling(
                 m, k, n, lhs.dtype, block_m=block_m, block_n=block_n, block_k=block_k
             )
-
-            def matmul(lhs, rhs, group_sizes):
-                return grouped_matmul_megablox(
-                    lhs,
-                    rhs,
-                    group_sizes,
-                    tiling=tiles,
-                    interpret=target.interpret,
-                    out_dtype=out_dtype,
-                )
-
-            return common.per_device(matmul, lhs, rhs, group_sizes)  # groups span all rows
-        config = block_config(m, g, k, n, dtype=lhs.dtype, **tiling)
-
-        def triton_matmul(lhs, rhs, group_sizes):
-            return grouped_matmul_pallas(
-                lhs, rhs, group_sizes, config=config, interpret=target.interpret,
-                out_dtype=out_dtype,
-            )  # fmt: skip
-
-        # As for Mosaic: GSPMD cannot partition the Triton call either (one code path).
-        return common.per_device(triton_matmul, lhs, rhs, group_sizes)
+            matmul = functools.partial(grouped_matmul_megablox, tiling=tiles)
+        else:
+            config = block_config(m, g, k, n, dtype=lhs.dtype, **tiling)
+            matmul = functools.partial(grouped_matmul_pallas, config=config)
+        # GSPMD cannot partition a Pallas call (Mosaic or Triton); the groups span all rows, so
+        # on a mesh each device runs the whole op.
+        matmul = functools.partial(matmul, interpret=target.interpret, out_dtype=out_dtype)
+        return common.per_device(matmul, lhs, rhs, group_sizes)
 
     def run_xla():
         return grouped_matmul_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)
