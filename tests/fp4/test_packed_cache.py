@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
+from trace_jax.fp4.packed_cache import write_slots
+from trace_jax.rl.sharding import make_mesh
 
 
 @pytest.mark.parametrize("fmt", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
@@ -54,3 +60,49 @@ def test_empty_and_write_reject_what_the_cache_cannot_hold():
         cache.write(fp4.quantize(x, fp4.NVFP4, global_axes=(-2, -1)), slots)
     with pytest.raises(ValueError, match=r"slots must be \[B, T\]"):
         cache.write(fp4.quantize(x, fp4.NVFP4), slots[:, 0])
+
+
+COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)")
+
+
+def test_writes_on_a_mesh_splitting_the_batch_stay_on_each_device():
+    """The cache and slot writes of a data-parallel rollout: on a 2-device mesh with rows split,
+    `write_slots` (slots along axis 1 and 2) and `PackedTensorCache.write` equal the unsharded
+    writes and a loop-written reference bit for bit, and the compiled program moves nothing
+    between devices (a scatter indexed by `arange(B)` all-gathers its indices and updates)."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py)")
+    mesh = make_mesh(2)
+    b, s, h, d, t = 4, 8, 2, 32, 3
+    rng = np.random.default_rng(0)
+    buf = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
+    val = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    slots = jnp.asarray([[0, 5, 7], [2, 3, s], [1, 1 + s, 6], [4, 0, 3]], jnp.int32)
+    want = np.asarray(buf).copy()
+    for bi in range(b):
+        for ti in range(t):
+            if slots[bi, ti] < s:
+                want[bi, int(slots[bi, ti])] = np.asarray(val)[bi, ti]
+    head_major = jnp.swapaxes(buf, 1, 2)
+    x = 3.0 * jax.random.normal(jax.random.key(1), (b, t, h, d))
+    cache = PackedTensorCache.empty((b, s, h, d), fp4.NVFP4)
+    cases = {
+        "axis 1": (lambda u, v, sl: write_slots(u, v, sl), (buf, val, slots)),
+        "axis 2": (lambda u, v, sl: write_slots(u, jnp.swapaxes(v, 1, 2), sl, axis=2),
+                   (head_major, val, slots)),
+        "packed cache": (lambda c, v, sl: c.write(fp4.quantize(v, fp4.NVFP4), sl),
+                         (cache, x, slots)),
+    }  # fmt: skip
+    for name, (fn, args) in cases.items():
+        plain = jax.jit(fn)(*args)
+        with jax.set_mesh(mesh):
+            split = jax.device_put(args, NamedSharding(mesh, P("data")))
+            f = jax.jit(fn)
+            got = f(*split)
+            hlo = f.lower(*split).compile().as_text()
+        for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
+        assert not COLLECTIVES.findall(hlo), (name, sorted(set(COLLECTIVES.findall(hlo))))
+    np.testing.assert_array_equal(np.asarray(write_slots(buf, val, slots)), want)
+    head = np.asarray(write_slots(head_major, jnp.swapaxes(val, 1, 2), slots, axis=2))
+    np.testing.assert_array_equal(np.swapaxes(head, 1, 2), want)

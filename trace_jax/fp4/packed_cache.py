@@ -26,6 +26,19 @@ from trace_jax.fp4.qtensor import QTensor, empty_scales
 from trace_jax.fp4.quantize import dequantize
 
 
+def write_slots(buf: jax.Array, value: jax.Array, slots: jax.Array, axis: int = 1) -> jax.Array:
+    """`buf [B, ..., S, ...]` (S at `axis`) with `value [B, ..., T, ...]` written at `slots [B, T]`
+    along `axis` of each batch row; slots out of range are dropped. One scatter per row (a vmap):
+    on a mesh that splits B each device writes its own rows, where a scatter indexed by
+    `arange(B)` makes XLA's partitioner all-gather its indices and updates."""
+    before = (slice(None),) * (axis - 1)
+
+    def row(b: jax.Array, v: jax.Array, s: jax.Array) -> jax.Array:
+        return b.at[(*before, s)].set(v, mode="drop")
+
+    return jax.vmap(row)(buf, value.astype(buf.dtype), slots)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedTensorCache:
@@ -72,10 +85,9 @@ class PackedTensorCache:
             )
         if slots.shape != q.codes.shape[:2]:
             raise ValueError(f"slots must be [B, T] = {q.codes.shape[:2]}; got {slots.shape}")
-        rows = (jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], slots[:, None, :])
 
         def put(buf, val):  # val [B, T, Hkv, ...] -> rows (b, h, slots[b, t]) of the buffer
-            return buf.at[rows].set(jnp.swapaxes(val, 1, 2), mode="drop")
+            return write_slots(buf, jnp.swapaxes(val, 1, 2), slots, axis=2)
 
         return PackedTensorCache(
             codes=put(self.codes, pack_fp4(q.codes)),

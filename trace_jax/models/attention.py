@@ -28,6 +28,7 @@ from kernels_pallas.fp4_quantize import fp4_quantize
 from kernels_pallas.prefill_attention import prefill_attention
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, PackedTensorCache
+from trace_jax.fp4.packed_cache import write_slots
 from trace_jax.models.config import (
     ModelConfig,
     QuantSite,
@@ -173,11 +174,7 @@ def cache_write(
             k=cache.k.write(quantize(k, cache.k.fmt), slots),
             v=cache.v.write(quantize(v, cache.v.fmt), slots),
         )
-    b = jnp.arange(k.shape[0])[:, None]
-    return LayerKVCache(
-        k=cache.k.at[b, slots].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[b, slots].set(v.astype(cache.v.dtype), mode="drop"),
-    )
+    return LayerKVCache(k=write_slots(cache.k, k, slots), v=write_slots(cache.v, v, slots))
 
 
 def cache_read(cache: LayerKVCache | PackedLayerKVCache, dtype=None) -> tuple[jax.Array, jax.Array]:

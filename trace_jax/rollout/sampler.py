@@ -21,6 +21,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, GuidanceMode
+from trace_jax.fp4.packed_cache import write_slots
 from trace_jax.models import Qwen3MoE, decode_step, init_cache, pack_model_experts
 from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 from trace_jax.rollout.prefill import prefill_in_chunks
@@ -81,8 +82,7 @@ def _write_slots(buf: jax.Array, value: jax.Array, slots: jax.Array, axis: int =
     """Writes `value` with `[B, T]` at `slots [B, T]` of `buf` along `axis` (B is axis - 1)."""
     buf_m = jnp.moveaxis(buf, (axis - 1, axis), (0, 1))
     val_m = jnp.moveaxis(value, (axis - 1, axis), (0, 1))
-    b = jnp.arange(buf_m.shape[0])[:, None]
-    out = buf_m.at[b, slots].set(val_m.astype(buf.dtype), mode="drop")
+    out = write_slots(buf_m, val_m, slots)  # one scatter per row: no gathers on a mesh
     return jnp.moveaxis(out, (0, 1), (axis - 1, axis))
 
 
