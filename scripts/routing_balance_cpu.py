@@ -31,6 +31,8 @@ from trace_jax.models.qwen3_moe import DecoderLayer
 from trace_jax.rl.model_spec import ModelSpec
 from trace_jax.rollout.variants import rollout_inputs
 
+if len(sys.argv) < 2 or not all(a.isdigit() and int(a) > 0 for a in sys.argv[1:4]):
+    sys.exit(f"usage: {sys.argv[0]} PROMPT_LEN [N_LAYERS] [N_PROMPTS] (positive integers)")
 P = int(sys.argv[1])
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 12
 NB = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # prompts run together (rows of one chunk)
