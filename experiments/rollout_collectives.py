@@ -102,7 +102,8 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     notes = (
         f"`{config.preset}` ({n_layers} blocks), {config.prompts} prompts of "
         f"{config.prompt_tokens} tokens, {config.new_tokens} new tokens, on a {config.devices}-"
-        "device data mesh (`trace_jax.rl.sharding`: rows split, parameters replicated); the "
+        "device data mesh (`trace_jax.rl.sharding`: rows split, parameters replicated; on a CPU "
+        f"run with `XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}`); the "
         "compiled rollout's collective instructions (`trace_jax.rollout.collectives`), nothing "
         "run. `decode_step`: those of the decode loop (body and test), each run once a decode "
         "step; of them `decode_moe` inside the blocks' MoE (`decode_moe_per_layer` per block), "
