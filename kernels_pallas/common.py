@@ -234,6 +234,25 @@ def run_first[T](order: Sequence, runners: Mapping[Any, Callable[[], T]]) -> tup
     raise ValueError("implementation order is empty")
 
 
+def mesh_split(
+    lead: int | None = None,
+) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...], tuple[str, ...]]:
+    """Where per-device code runs: (the context mesh (`jax.set_mesh`; an empty one without),
+    its axes not manual yet (those a `jax.shard_map` inside the current one can still take),
+    and those of them of size > 1, outermost first, whose sizes' product divides `lead`: the
+    axes a leading axis of `lead` independent rows splits over; () for `lead` None)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    axes = tuple(a for a, kind in kinds.items() if kind != AxisType.Manual)
+    split, size = [], 1
+    if lead is not None:
+        for a in axes:
+            if mesh.shape[a] > 1 and lead % (size * mesh.shape[a]) == 0:
+                split.append(a)
+                size *= mesh.shape[a]
+    return mesh, axes, tuple(split)
+
+
 def per_device[T](fn: Callable[..., T], *args, split_leading: bool = False) -> T:
     """`fn(*args)`, a Pallas kernel call (Mosaic or Triton; pytrees of arrays in and out), once
     per device of the context mesh (`jax.set_mesh`) by `jax.shard_map` over its axes not manual
@@ -247,22 +266,16 @@ def per_device[T](fn: Callable[..., T], *args, split_leading: bool = False) -> T
       outputs' leading axis too; False: each device runs the whole op on gathered operands
       (grouped matmuls, whose groups span all rows).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    axes = [a for a, kind in kinds.items() if kind != AxisType.Manual]
+    mesh, axes, split = mesh_split()
     if math.prod(mesh.shape[a] for a in axes) <= 1:
         return fn(*args)
-    split, size = [], 1
     if split_leading:
         leads = {a.shape[0] if a.ndim else None for a in jax.tree.leaves(args)}
         if len(leads) != 1 or None in leads:
             raise ValueError(f"split_leading needs one leading axis size, got sizes {leads}")
         (lead,) = leads
-        for a in axes:
-            if mesh.shape[a] > 1 and lead % (size * mesh.shape[a]) == 0:
-                split.append(a)
-                size *= mesh.shape[a]
-    spec = P(tuple(split)) if split else P()
+        split = mesh_split(lead)[2]
+    spec = P(split) if split else P()
     return jax.shard_map(
         fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=frozenset(axes), check_vma=False
     )(*args)

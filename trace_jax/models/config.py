@@ -88,6 +88,20 @@ def site_records(site: QuantSite) -> dict[str, dict[str, Any]]:
     return {} if records is None else records()
 
 
+def take_written_records(
+    records: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The entries of a site's `records` (`site_records`) written since the copy `before`
+    (`{name: dict(d) for name, d in records.items()}`), removed from `records`: name -> {key:
+    value}. Entries written inside a transform's trace (a checkpoint, a shard_map) hold its
+    tracers, so they leave the transform as its outputs and are written back outside
+    (`records[name].update(...)`)."""
+    return {
+        name: {k: d.pop(k) for k in list(d) if before[name].get(k) is not d[k]}
+        for name, d in records.items()
+    }
+
+
 def site_implementation(site: QuantSite) -> Implementation:
     """The kernels a forward call with `site` runs: its `implementation` attribute, XLA for a site
     without one (`identity_site`, plain functions)."""
@@ -243,6 +257,13 @@ class ModelConfig:
         (`nnx.remat` per block) instead of keeping them: a training step's activation memory
         falls from every block's (attention scores [B, H, T, T] among them) to about one
         block's, for about one more forward pass of compute. The values are the same.
+      moe_routing_per_device: the cached forward's (rollout prefill and decode) routed experts on
+        a data-parallel mesh (`moe.data_parallel_mesh`: rows split over "data", weights
+        replicated) sort, multiply and combine each device's rows on that device, in a
+        shard_map: no collective, the same values bit for bit. False, and always in the
+        trainer's forward: GSPMD partitions the routing of all rows together (gathers and
+        reductions every layer; per-device routing would change the weight gradients'
+        summation order).
     """
 
     vocab_size: int
@@ -267,6 +288,7 @@ class ModelConfig:
     grouped_matmul: str = "ragged_dot"
     prefill_attention: str = "xla"
     remat: bool = False
+    moe_routing_per_device: bool = True
 
     def __post_init__(self):
         choices = [g.value for g in GroupedMatmul]
@@ -314,8 +336,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.top_k={self.top_k} must be <= n_experts={self.n_experts}"
             )
-        if not isinstance(self.remat, bool):
-            raise ValueError(f"ModelConfig.remat must be a bool, got {self.remat!r}")
+        for field in ("remat", "moe_routing_per_device"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}"
+                )
         for field in ("rope_theta", "rms_eps", "init_std"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or not np.isfinite(value) or value <= 0:

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from kernels_pallas import common
 from kernels_pallas.fp4_moe_matmul import PackedFP4Weights, fp4_moe_matmul, pack_weights
 from trace_jax import fp4
 from trace_jax.models.config import (
@@ -28,8 +32,14 @@ from trace_jax.models.config import (
     expert_kernel_order,
     identity_site,
     site_implementation,
+    site_records,
+    take_written_records,
 )
 from trace_jax.models.grouped_matmul import GroupedMatmul, grouped_dot
+
+# The data-parallel axis (`trace_jax.rl.sharding.MESH_AXES`): batch rows split over it,
+# parameters replicated along it.
+DATA_AXIS = "data"
 
 
 class MoEImpl(enum.StrEnum):
@@ -101,6 +111,14 @@ def switch_aux_loss(routing: Routing, valid: jax.Array | None = None) -> jax.Arr
     f = jnp.einsum("btke,bt->e", assigned, w) / n_valid
     p = jnp.einsum("bte,bt->e", routing.probs, w) / n_valid
     return n_experts * jnp.sum(f * p)
+
+
+def router_logits(x: jax.Array, router: jax.Array, dtype) -> jax.Array:
+    """Router logits of `x [B, T, D]` by `router [D, E]`: [B, T, E] float32 (matmul in the
+    compute `dtype`, float32 accumulation)."""
+    return jnp.einsum(
+        "btd,de->bte", x.astype(dtype), router.astype(dtype), preferred_element_type=jnp.float32
+    )
 
 
 def _swap_last(w: jax.Array) -> jax.Array:
@@ -218,6 +236,55 @@ def experts_packed_fp4(
     return _combine(y_sorted, inverse, routing, dtype)
 
 
+def data_parallel_mesh(rows: int) -> jax.sharding.AbstractMesh | None:
+    """The context mesh (`common.mesh_split`, as the Pallas kernels find theirs) when it is a
+    data-parallel one for `rows` batch rows: its only axis of size > 1 not manual yet is
+    `DATA_AXIS`, whose size divides `rows`; None otherwise (no mesh, one device, an fsdp or
+    expert axis, whose weights are split, or rows that do not divide)."""
+    mesh, axes, split = common.mesh_split(rows)
+    if [a for a in axes if mesh.shape[a] > 1] != [DATA_AXIS] or split != (DATA_AXIS,):
+        return None
+    return mesh
+
+
+def rows_per_device[R, S, O](fn: Callable[[R, S], O], rows: R, shared: S, *, site: QuantSite) -> O:
+    """`fn(rows, shared)` once per device of a data-parallel mesh (`data_parallel_mesh`) on that
+    device's rows, in a `jax.shard_map`: `rows` (a pytree of [B, ...] arrays) and the outputs
+    split by their leading axis over `DATA_AXIS`, `shared` (weights) replicated. For `fn`s whose
+    rows do not interact (the MoE's routing, grouped experts and combine: `MoE.__call__`), the
+    values are those of the unsharded call bit for bit, without a collective; GSPMD would route
+    all rows together (all-gathers of router probabilities, expert ids and rows, all-reduces of
+    group sizes, every layer). Without such a mesh: `fn(rows, shared)`.
+
+    What `site` records inside (the "expert_mid" captures, [B, T, K, ...]) leaves the shard_map
+    split by rows (`take_written_records`); a site whose records reduce over rows (statistics,
+    coverage: `records_per_row` False) keeps the GSPMD path.
+    """
+    mesh = data_parallel_mesh(jax.tree.leaves(rows)[0].shape[0])
+    if mesh is None or not getattr(site, "records_per_row", True):
+        return fn(rows, shared)
+    records = site_records(site)
+    before = {name: dict(d) for name, d in records.items()}
+
+    def local(rows, shared):
+        out = fn(rows, shared)
+        return out, take_written_records(records, before)
+
+    split = P(DATA_AXIS)
+    _, axes, _ = common.mesh_split()
+    out, written = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(split, P()),
+        out_specs=(split, split),
+        axis_names=frozenset(axes),
+        check_vma=False,
+    )(rows, shared)
+    for name, entries in written.items():
+        records[name].update(entries)
+    return out
+
+
 def pack_experts(moe: MoE, qcfg, dtype) -> PackedExperts:
     """Quantizes and packs one MoE layer's expert weights exactly as the weight sites quantize
     them (the weights cast to the compute dtype `dtype`, RTN, one global scale per expert)."""
@@ -302,13 +369,7 @@ class MoE(nnx.Module):
 
     def router_logits(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, E] float32 (matmul in the compute dtype, float32 accumulation)."""
-        dt = self.cfg.dtype
-        return jnp.einsum(
-            "btd,de->bte",
-            x.astype(dt),
-            self.router[...].astype(dt),
-            preferred_element_type=jnp.float32,
-        )
+        return router_logits(x, self.router[...], self.cfg.dtype)
 
     def __call__(
         self,
@@ -319,42 +380,64 @@ class MoE(nnx.Module):
         expert_choices: jax.Array | None = None,
         valid: jax.Array | None = None,
         impl: MoEImpl | str = MoEImpl.GROUPED,
+        per_device: bool = False,
     ) -> tuple[jax.Array, Routing, jax.Array]:
         """Mix `x [B, T, D]` through the experts.
 
         Returns (y [B, T, D] in the compute dtype, routing, unscaled Switch aux loss over `valid`).
         `expert_choices [B, T, K]` replays expert indices instead of the router's top-k.
+        per_device: inference only (the cached forward, `ModelConfig.moe_routing_per_device`):
+        on a data-parallel mesh each device routes its own rows, runs the grouped experts on them
+        and combines them (`rows_per_device`), the same values bit for bit. The aux loss stays
+        outside, over all rows (GSPMD's reductions; a rollout discards it and XLA drops them).
         """
         cfg = self.cfg
         dt = cfg.dtype
         x = x.astype(dt)
-        routing = route(
-            self.router_logits(x),
-            top_k=cfg.top_k,
-            norm_topk_prob=cfg.norm_topk_prob,
-            expert_choices=expert_choices,
-        )
-        aux_loss = switch_aux_loss(routing, valid)
         packed_for = getattr(site, "packed_experts_for", None)
         packed = None if packed_for is None else packed_for(layer)
         if packed is not None:  # FP4 rollout on the Pallas kernels: weights packed once
             x_val, x_q = site.quantized(x, name=SiteName.EXPERT_IN, layer=layer)
-            y = experts_packed_fp4(
-                x_val if x_q is None else x_q, packed, routing, layer=layer, site=site, dtype=dt
-            )
-            return self._add_shared(x, y), routing, aux_loss
-        x_q = site(x, name=SiteName.EXPERT_IN, layer=layer)
-        w_gate = site(self.w_gate[...].astype(dt), name=SiteName.W_GATE, layer=layer)
-        w_up = site(self.w_up[...].astype(dt), name=SiteName.W_UP, layer=layer)
-        w_down = site(self.w_down[...].astype(dt), name=SiteName.W_DOWN, layer=layer)
-        if MoEImpl(impl) == MoEImpl.GROUPED:
-            y = experts_grouped(
-                x_q, w_gate, w_up, w_down, routing, layer=layer, site=site,
-                matmul=cfg.grouped_matmul,
-            )  # fmt: skip
+            x_in = x_val if x_q is None else x_q
+            experts = functools.partial(experts_packed_fp4, layer=layer, site=site, dtype=dt)
+            weights = packed
         else:
-            y = experts_dense(x_q, w_gate, w_up, w_down, routing, layer=layer, site=site)
-        return self._add_shared(x, y), routing, aux_loss
+            x_in = site(x, name=SiteName.EXPERT_IN, layer=layer)
+            weights = tuple(
+                site(w[...].astype(dt), name=name, layer=layer)
+                for w, name in (
+                    (self.w_gate, SiteName.W_GATE),
+                    (self.w_up, SiteName.W_UP),
+                    (self.w_down, SiteName.W_DOWN),
+                )
+            )
+            if MoEImpl(impl) == MoEImpl.GROUPED:
+                grouped = functools.partial(
+                    experts_grouped, layer=layer, site=site, matmul=cfg.grouped_matmul
+                )
+            else:
+                grouped = functools.partial(experts_dense, layer=layer, site=site)
+
+            def experts(x_in, weights, routing):
+                return grouped(x_in, *weights, routing)
+
+        def route_and_mix(rows, shared):
+            x, x_in, expert_choices = rows
+            router, weights = shared
+            routing = route(
+                router_logits(x, router, dt),
+                top_k=cfg.top_k,
+                norm_topk_prob=cfg.norm_topk_prob,
+                expert_choices=expert_choices,
+            )
+            return experts(x_in, weights, routing), routing
+
+        rows, shared = (x, x_in, expert_choices), (self.router[...], weights)
+        if per_device:
+            y, routing = rows_per_device(route_and_mix, rows, shared, site=site)
+        else:
+            y, routing = route_and_mix(rows, shared)
+        return self._add_shared(x, y), routing, switch_aux_loss(routing, valid)
 
     def _add_shared(self, x: jax.Array, y: jax.Array) -> jax.Array:
         """y plus the (gated) shared expert of x, if the model has one."""

@@ -33,7 +33,13 @@ from trace_jax.models.attention import (
     RMSNorm,
     causal_mask,
 )
-from trace_jax.models.config import ModelConfig, QuantSite, identity_site, site_records
+from trace_jax.models.config import (
+    ModelConfig,
+    QuantSite,
+    identity_site,
+    site_records,
+    take_written_records,
+)
 from trace_jax.models.moe import MoE, MoEImpl, PackedExperts, Routing, pack_experts
 
 
@@ -60,8 +66,10 @@ class DecoderLayer(nnx.Module):
         cache: LayerKVCache | None,
         slots: jax.Array | None,
         moe_impl: MoEImpl,
+        moe_per_device: bool = False,
     ) -> tuple[jax.Array, Routing, jax.Array, LayerKVCache | None]:
-        """x [B, T, D] -> (x [B, T, D], routing, aux loss, updated layer cache or None)."""
+        """x [B, T, D] -> (x [B, T, D], routing, aux loss, updated layer cache or None).
+        moe_per_device: `MoE`'s `per_device` (inference only)."""
         with jax.named_scope("attention"):
             y, cache = self.attn(
                 self.attn_norm(x),
@@ -81,6 +89,7 @@ class DecoderLayer(nnx.Module):
                 expert_choices=expert_choices,
                 valid=valid,
                 impl=moe_impl,
+                per_device=moe_per_device,
             )
             x = x + y
         return x, routing, aux_loss, cache
@@ -103,11 +112,7 @@ def checkpointed_block(
 
     def body(block, x, expert_choices):
         out = block(x, site=site, expert_choices=expert_choices, cache=None, slots=None, **kw)
-        written = {
-            name: {k: d.pop(k) for k in list(d) if before[name].get(k) is not d[k]}
-            for name, d in records.items()
-        }
-        return out, written
+        return out, take_written_records(records, before)
 
     out, written = nnx.remat(body)(block, x, expert_choices)
     for name, entries in written.items():
@@ -178,8 +183,14 @@ class Qwen3MoE(nnx.Module):
         self._check_choices(expert_choices, b, t)
         x = self.embed_tokens(tokens)
         routings, aux_losses, new_caches = [], [], []
+        # Cached inference (the rollout) routes each device's rows on its device; the trainer's
+        # forward (no cache, differentiated) keeps GSPMD's routing and its gradient sums.
+        per_device = caches is not None and self.cfg.moe_routing_per_device
         for i, block in enumerate(self.layers):
-            kw = dict(layer=i, positions=positions, mask=mask, valid=valid, moe_impl=moe_impl)
+            kw = dict(
+                layer=i, positions=positions, mask=mask, valid=valid, moe_impl=moe_impl,
+                moe_per_device=per_device,
+            )  # fmt: skip
             choices = None if expert_choices is None else expert_choices[i]
             with jax.named_scope(f"layer_{i}"):
                 if self.cfg.remat and caches is None:

@@ -158,6 +158,13 @@ class QuantSites:
         }
 
     @property
+    def records_per_row(self) -> bool:
+        """Whether every record a forward call fills is split by batch rows (captures), so a
+        computation on each device's rows can hand its own out; False where some reduce over
+        rows: GUIDED mode's coverage counts, `reference=` mismatch statistics."""
+        return self.mode is not SiteMode.GUIDED and not self.reference
+
+    @property
     def implementation(self) -> Implementation:
         """The forward call's kernels (fixed at construction): XLA or PALLAS."""
         return self._implementation

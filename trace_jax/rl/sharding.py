@@ -39,7 +39,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert")
+from trace_jax.models.moe import DATA_AXIS
+
+MESH_AXES = (DATA_AXIS, "fsdp", "expert")
 BATCH_AXES = ("data", "fsdp")  # the batch's leading axis splits over both
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 

@@ -27,6 +27,11 @@ from trace_jax.quant import QuantConfig, QuantSites, SiteMode
 from trace_jax.rollout.prefill import prefill_in_chunks
 from trace_jax.rollout.sampling import SamplingConfig, policy_logprobs, sample_tokens
 
+# Named scopes of the prefill and of the decode loop (body and test: once a decode step) in the
+# compiled rollout's op names (`trace_jax.rollout.collectives`, profiles).
+PREFILL_SCOPE = "prefill"
+DECODE_SCOPE = "decode_loop"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -262,16 +267,17 @@ def generate(
         experts = jnp.zeros((b, s_total, *experts_like.shape[2:]), jnp.int32)
         return experts, {k: _guidance_buffer(g, b, s_total) for k, g in guidance_like.items()}
 
-    last_logits, cache, (experts, guidance) = prefill_in_chunks(
-        model,
-        cache,
-        prompts,
-        prompt_lengths,
-        chunk_tokens=sampling.prefill_chunk_tokens,
-        new_site=new_sites,
-        records=prefill_records,
-        record_buffers=record_buffers,
-    )
+    with jax.named_scope(PREFILL_SCOPE):
+        last_logits, cache, (experts, guidance) = prefill_in_chunks(
+            model,
+            cache,
+            prompts,
+            prompt_lengths,
+            chunk_tokens=sampling.prefill_chunk_tokens,
+            new_site=new_sites,
+            records=prefill_records,
+            record_buffers=record_buffers,
+        )
     experts = jnp.moveaxis(experts, 2, 0)  # [L, B, S, K]
     tokens = jnp.full((b, s_total), sampling.pad_id, jnp.int32)
     tokens = jax.lax.dynamic_update_slice(tokens, prompts.astype(jnp.int32), (0, 0))
@@ -323,7 +329,8 @@ def generate(
         return n + 1, tok, tokens, logprobs, done, lengths, cache, steps
 
     state = (1, tok, tokens, logprobs, done, lengths, cache, steps0)
-    state = jax.lax.while_loop(cond, body, state)
+    with jax.named_scope(DECODE_SCOPE):
+        state = jax.lax.while_loop(cond, body, state)
     _, _, tokens, logprobs, _, lengths, _, steps = state
     # Step j fed slot prompt_len + j; slots at or after a row's last token were not processed
     # (the row had finished, or the loop stopped) and keep their empty values.
