@@ -14,6 +14,9 @@ Sections (`config.measure`; each run as jobs of the project's entry points,
   second, and step 1's metrics of the multi-process run against the one-process run on the same
   mesh (`exact_equal`: rewards, lengths, guidance coverage, policy version; `max_rel_diff` of
   the float metrics, which may differ by reduction order).
+- `expert_parallel`: parity's global batch with the routed experts split over every GPU
+  (`mesh.expert = gpus`), from one process and from one process per GPU: the same split and
+  step-1 parity.
 - `disaggregated`: the rollout job on GPU 0, the trainer on GPU 1, passing batches, guidance and
   policies only through the exchange (`config.exchange`), at each lag of `config.lags`:
   `disaggregated_steps` steps, throughput and the staleness used.
@@ -57,11 +60,14 @@ class Measurement:
         self.cfg, self.workdir, self.devices, self.cpu = cfg, workdir, devices, cpu
         self.launch = scale_out.Launch(cfg.experiment, tuple(cfg.overrides))
 
-    def rl(self, name: str, devices: list[int], processes: int, prompts: int) -> dict:
-        """One GRPO run; its `step_times`, rates and metric rows (`rows`)."""
+    def rl(
+        self, name: str, devices: list[int], processes: int, prompts: int, expert: int = 1
+    ) -> dict:
+        """One GRPO run (experts split over `expert` devices); its `step_times`, rates and
+        metric rows (`rows`)."""
         workdir = os.path.join(self.workdir, name)
         procs = scale_out.rl_job(
-            self.launch, workdir, devices, processes,
+            self.launch, workdir, devices, processes, expert=expert,
             **{"rl.steps": self.cfg.steps, "rl.prompts_per_step": prompts},
         )  # fmt: skip
         wall = scale_out.run_job(procs, cpu=self.cpu, timeout_s=self.cfg.timeout_s)
@@ -81,20 +87,31 @@ class Measurement:
 
     def parity(self) -> list[dict]:
         n, prompts = len(self.devices), self.cfg.prompts_per_gpu * len(self.devices)
-        runs = {
-            "1 GPU": self.rl("parity_one_gpu", self.devices[:1], 1, prompts),
-            f"{n} GPUs, 1 process": self.rl("parity_one_process", self.devices, 1, prompts),
-            f"{n} GPUs, {n} processes": self.rl("parity_processes", self.devices, n, prompts),
-        }
-        one, many = runs[f"{n} GPUs, 1 process"]["rows"], runs[f"{n} GPUs, {n} processes"]["rows"]
-        step = min(1, len(one) - 1)
-        out = []
-        for setting, r in runs.items():
-            row = {"section": "parity", "setting": setting, **_without_rows(r)}
-            if r["processes"] > 1:
-                row.update(scale_out.step_parity(one[step], many[step]), parity_step=step)
-            out.append(row)
-        return out
+        return _with_parity(
+            "parity",
+            {
+                "1 GPU": self.rl("parity_one_gpu", self.devices[:1], 1, prompts),
+                f"{n} GPUs, 1 process": self.rl("parity_one_process", self.devices, 1, prompts),
+                f"{n} GPUs, {n} processes": self.rl("parity_processes", self.devices, n, prompts),
+            },
+        )
+
+    def expert_parallel(self) -> list[dict]:
+        """Parity's global batch with the routed experts split over every GPU (`mesh.expert =
+        gpus`, `mesh.data = 1`: each GPU runs every row, its experts' share of the expert
+        matmuls): from one process and from one process per GPU."""
+        n, prompts = len(self.devices), self.cfg.prompts_per_gpu * len(self.devices)
+        return _with_parity(
+            "expert_parallel",
+            {
+                f"{n} GPUs, 1 process, expert {n}": self.rl(
+                    "expert_one_process", self.devices, 1, prompts, expert=n
+                ),
+                f"{n} GPUs, {n} processes, expert {n}": self.rl(
+                    "expert_processes", self.devices, n, prompts, expert=n
+                ),
+            },
+        )
 
     def disaggregated(self) -> list[dict]:
         prompts, out = self.cfg.prompts_per_gpu, []
@@ -144,6 +161,21 @@ def _without_rows(run: dict) -> dict:
     return {k: v for k, v in run.items() if k != "rows"}
 
 
+def _with_parity(section: str, runs: dict[str, dict]) -> list[dict]:
+    """The rows of `runs` (setting -> `Measurement.rl` result, the one-process run on the
+    section's mesh first among those of several GPUs); each multi-process row with step 1's
+    `step_parity` against that one-process run."""
+    one = next(r for r in runs.values() if r["gpus"] > 1 and r["processes"] == 1)["rows"]
+    step = min(1, len(one) - 1)
+    out = []
+    for setting, r in runs.items():
+        row = {"section": section, "setting": setting, **_without_rows(r)}
+        if r["processes"] > 1:
+            row.update(scale_out.step_parity(one[step], r["rows"][step]), parity_step=step)
+        out.append(row)
+    return out
+
+
 def run(cfg, workdir: str, outdir: str, name: str) -> list[dict]:
     """Measures `cfg.measure`'s sections and writes the results after each (merged with the
     sections of an earlier `<outdir>/<name>.json` not measured now, so a failing section loses
@@ -161,6 +193,8 @@ def run(cfg, workdir: str, outdir: str, name: str) -> list[dict]:
         raise ValueError(f"config.gpus={count} but {len(gpus)} GPUs are visible")
     if "disaggregated" in cfg.measure and count < 2:
         raise ValueError("the disaggregated pair needs two GPUs")
+    if "expert_parallel" in cfg.measure and count < 2:
+        raise ValueError("expert parallelism needs two GPUs")
     measurement = Measurement(cfg, workdir, list(range(count)) if cpu else gpus[:count], cpu)
     path = os.path.join(outdir, f"{name}.json")
     rows = []

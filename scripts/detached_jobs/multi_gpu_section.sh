@@ -1,6 +1,7 @@
 #!/bin/bash
-# One section of `experiments.multi_gpu` (`parity`, `disaggregated` or `weak_scaling`) as one
-# command on a held machine of several GPUs; each section's jobs fit the machine's 10 minutes.
+# One section of `experiments.multi_gpu` (`parity`, `expert_parallel`, `disaggregated` or
+# `weak_scaling`) as one command on a held machine of several GPUs; each section's jobs fit the
+# machine's 10 minutes.
 # Sections accumulate in $JOBS/multi_gpu (a later one merges into the JSON the earlier ones
 # wrote) and a later command reuses the compiled programs in $JOBS/jax_cache while the machine
 # stays held. Copies the table, the sections' logs and an archive of every job's log and
@@ -8,7 +9,7 @@
 #   bash scripts/detached_jobs/multi_gpu_section.sh parity [limit seconds, default 570]
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/common.sh"
-section=${1:?usage: multi_gpu_section.sh parity|disaggregated|weak_scaling [limit seconds]}
+section=${1:?usage: multi_gpu_section.sh parity|expert_parallel|disaggregated|weak_scaling [limit seconds]}
 limit=${2:-570}
 if [ -z "$LOCAL" ] && [ ! -d /tmp/site/ml_collections ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

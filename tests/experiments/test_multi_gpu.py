@@ -23,13 +23,16 @@ def _workdir(cmd) -> str:
     return next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
 
 
-def _fake_jobs(monkeypatch, seconds_per_sample: float, jobs: list):
+def _fake_jobs(monkeypatch, seconds_per_sample: float, jobs: list, meshes: list | None = None):
     """`run_job` writing each job's logs: a step of `rows` samples takes `seconds_per_sample`
     x rows / devices (perfect scaling) plus 0.1 s per extra process; step 1's loss differs by
-    2e-7 (relative) between one process and several."""
+    2e-7 (relative) between one process and several. `jobs` gets each job's (devices, is the
+    trainer) per process, `meshes` its `--config.mesh.*` flags."""
+    meshes = [] if meshes is None else meshes
 
     def run_job(procs, *, cpu, timeout_s):
         jobs.append([(p.devices, "--role=trainer" in p.cmd) for p in procs])
+        meshes.append({a for a in procs[0].cmd if a.startswith("--config.mesh.")})
         devices = sum(len(p.devices) for p in procs)
         trainer = [p for p in procs if "--role=trainer" in p.cmd]
         workdir = _workdir((trainer or procs)[0].cmd)
@@ -58,28 +61,41 @@ def _fake_jobs(monkeypatch, seconds_per_sample: float, jobs: list):
 
 def test_every_section_on_four_gpus_then_one_section_again(tmp_path, monkeypatch):
     monkeypatch.setattr(multi_gpu, "visible_gpus", lambda: [0, 1, 2, 3])
-    jobs = []
-    _fake_jobs(monkeypatch, 0.01, jobs)
+    jobs, meshes = [], []
+    _fake_jobs(monkeypatch, 0.01, jobs, meshes)
     cfg = multi_gpu_config.get_config()
     cfg.steps, cfg.disaggregated_steps = 5, 6
     rows = multi_gpu.run(cfg, str(tmp_path / "w"), str(tmp_path), "mg")
     assert [(r["section"], r["setting"]) for r in rows] == [
         ("parity", "1 GPU"), ("parity", "4 GPUs, 1 process"), ("parity", "4 GPUs, 4 processes"),
+        ("expert_parallel", "4 GPUs, 1 process, expert 4"),
+        ("expert_parallel", "4 GPUs, 4 processes, expert 4"),
         ("disaggregated", "lag 0"), ("disaggregated", "lag 1"),
         ("weak_scaling", "1 GPU"), ("weak_scaling", "2 GPUs"), ("weak_scaling", "4 GPUs"),
     ]  # fmt: skip
     # parity: one process sees the 4 GPUs, or 4 processes one each; the pair: GPUs 0 and 1.
-    assert jobs[:3] == [[((0,), False)], [((0, 1, 2, 3), False)], [((k,), False) for k in range(4)]]
-    assert jobs[3] == [((0,), False), ((1,), True)]
-    parity = rows[2]
-    assert parity["exact_equal"] and parity["worst"] == "loss" and parity["parity_step"] == 1
-    np.testing.assert_allclose(parity["max_rel_diff"], 2e-7 / (1 + 2e-7))
+    four = [((k,), False) for k in range(4)]
+    assert jobs[:5] == [
+        [((0,), False)],
+        [((0, 1, 2, 3), False)],
+        four,
+        [((0, 1, 2, 3), False)],
+        four,
+    ]
+    assert jobs[5] == [((0,), False), ((1,), True)]
+    # parity runs data-parallel, the expert section splits the experts over all four.
+    data_4 = {"--config.mesh.data=4"}
+    expert_4 = {"--config.mesh.data=1", "--config.mesh.expert=4"}
+    assert meshes[:5] == [{"--config.mesh.data=1"}, data_4, data_4, expert_4, expert_4]
+    for parity in (rows[2], rows[4]):
+        assert parity["exact_equal"] and parity["worst"] == "loss" and parity["parity_step"] == 1
+        np.testing.assert_allclose(parity["max_rel_diff"], 2e-7 / (1 + 2e-7))
     # 32 prompts x 8 samples: 2.56 s on one GPU, 0.64 + 0.3 s on four processes.
-    np.testing.assert_allclose([r["time_step_s"] for r in rows[:3]], [2.56, 0.64, 0.94])
+    np.testing.assert_allclose([r["time_step_s"] for r in rows[:5]], [2.56, 0.64, 0.94, 0.64, 0.94])
     np.testing.assert_allclose(rows[0]["samples_per_s"], 256 / 2.56)
-    assert [r["staleness_max"] for r in rows[3:5]] == [0, 1]
+    assert [r["staleness_max"] for r in rows[5:7]] == [0, 1]
     # weak scaling: 8 prompts per GPU; 0.64 s + 0.1 s per extra process.
-    weak = rows[5:]
+    weak = rows[7:]
     np.testing.assert_allclose([r["time_step_s"] for r in weak], [0.64, 0.74, 0.94])
     np.testing.assert_allclose([r["efficiency"] for r in weak], [1, 0.64 / 0.74, 0.64 / 0.94])
     written = json.loads((tmp_path / "mg.json").read_text())["rows"]
@@ -92,8 +108,8 @@ def test_every_section_on_four_gpus_then_one_section_again(tmp_path, monkeypatch
     _fake_jobs(monkeypatch, 0.02, jobs)
     cfg.measure = ("weak_scaling",)
     again = multi_gpu.run(cfg, str(tmp_path / "w2"), str(tmp_path), "mg")
-    assert again[:5] == json.loads(json.dumps(rows[:5]))
-    np.testing.assert_allclose([r["time_step_s"] for r in again[5:]], [1.28, 1.38, 1.58])
+    assert again[:7] == json.loads(json.dumps(rows[:7]))
+    np.testing.assert_allclose([r["time_step_s"] for r in again[7:]], [1.28, 1.38, 1.58])
     assert read_rows(str(tmp_path / "w2" / "weak_4" / "rl_metrics.jsonl"))[0]["step"] == 0
 
 
@@ -110,7 +126,9 @@ def test_a_failing_section_keeps_the_sections_measured_before_it(tmp_path, monke
     with pytest.raises(scale_out.JobFailedError):
         multi_gpu.run(cfg, str(tmp_path / "w"), str(tmp_path), "mg")
     written = json.loads((tmp_path / "mg.json").read_text())["rows"]
-    assert [r["section"] for r in written] == ["parity"] * 3 + ["disaggregated"] * 2
+    assert [r["section"] for r in written] == (
+        ["parity"] * 3 + ["expert_parallel"] * 2 + ["disaggregated"] * 2
+    )
 
 
 def test_bad_requests_are_refused_before_any_job(tmp_path, monkeypatch):
@@ -127,6 +145,9 @@ def test_bad_requests_are_refused_before_any_job(tmp_path, monkeypatch):
         multi_gpu.run(cfg, str(tmp_path), str(tmp_path), "mg")
     cfg.gpus, cfg.measure = 1, ("parity", "disaggregated")  # refused before parity runs
     with pytest.raises(ValueError, match="needs two GPUs"):
+        multi_gpu.run(cfg, str(tmp_path), str(tmp_path), "mg")
+    cfg.measure = ("expert_parallel",)
+    with pytest.raises(ValueError, match="expert parallelism needs two GPUs"):
         multi_gpu.run(cfg, str(tmp_path), str(tmp_path), "mg")
     cfg.measure = ("strong_scaling",)
     with pytest.raises(ValueError, match="unknown sections"):

@@ -33,6 +33,18 @@ def test_one_process_sees_every_device_and_n_processes_one_each(tmp_path):
     assert len({p.log for p in procs}) == 2
     with pytest.raises(ValueError, match="one, or one per device"):
         scale_out.rl_job(LAUNCH, str(tmp_path), [0, 1, 2], 2)
+    assert not any(a.startswith("--config.mesh.expert") for a in one.cmd)
+
+
+def test_expert_parallel_jobs_split_the_experts_over_the_devices(tmp_path):
+    procs = scale_out.rl_job(LAUNCH, str(tmp_path), [0, 1, 2, 3], 4, expert=2)
+    for p in procs:
+        assert "--config.mesh.data=2" in p.cmd and "--config.mesh.expert=2" in p.cmd
+    (one,) = scale_out.rl_job(LAUNCH, str(tmp_path), [0, 1], 1, expert=2)
+    assert "--config.mesh.data=1" in one.cmd and "--config.mesh.expert=2" in one.cmd
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"expert={bad} must be >= 1 and divide the 4"):
+            scale_out.rl_job(LAUNCH, str(tmp_path), [0, 1, 2, 3], 1, expert=bad)
 
 
 def test_the_pair_runs_each_role_on_its_device_through_one_exchange(tmp_path):

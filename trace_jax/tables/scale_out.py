@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 # The measurements of `experiments.multi_gpu`, in the order they are reported.
-SECTIONS = ("parity", "disaggregated", "weak_scaling")
+SECTIONS = ("parity", "expert_parallel", "disaggregated", "weak_scaling")
 # Set in every child: NCCL, PyTorch and NVSHMEM never use NVLink multicast.
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -77,17 +77,25 @@ def rl_job(
     workdir: str,
     devices: Sequence[int],
     processes: int,
+    *,
+    expert: int = 1,
     **settings,
 ) -> list[Proc]:
-    """The GRPO loop (`experiments.main`) on `devices` as one data-parallel mesh
-    (`mesh.data = len(devices)`) driven by `processes` processes: 1 sees every device; n
-    (= len(devices)) see one device each and join through `jax.distributed`. `settings`: more
-    config overrides (e.g. `rl.prompts_per_step=16`). Logs: `<workdir>/process_<k>.log`."""
+    """The GRPO loop (`experiments.main`) on `devices` as one mesh, driven by `processes`
+    processes: 1 sees every device; n (= len(devices)) see one device each and join through
+    `jax.distributed`. The mesh is data-parallel (`mesh.data = len(devices)`), or with
+    `expert` > 1 splits the routed experts over `expert` devices (`mesh.expert = expert`,
+    `mesh.data = len(devices) / expert`: each data shard's rows run on `expert` devices, each
+    holding 1/expert of the experts; `trace_jax.rl.sharding`). `settings`: more config overrides
+    (e.g. `rl.prompts_per_step=16`). Logs: `<workdir>/process_<k>.log`."""
     n = len(devices)
     if processes not in (1, n):
         raise ValueError(f"{processes} processes for {n} devices: one, or one per device")
+    if expert < 1 or n % expert:
+        raise ValueError(f"expert={expert} must be >= 1 and divide the {n} devices")
+    mesh = {"mesh.data": n // expert, **({"mesh.expert": expert} if expert > 1 else {})}
     module = [sys.executable, "-m", "experiments.main", f"--workdir={workdir}"]
-    cmd = [*module, *launch.flags(**{"mesh.data": n, **settings})]
+    cmd = [*module, *launch.flags(**mesh, **settings)]
     if processes == 1:
         return [Proc(tuple(cmd), tuple(devices), os.path.join(workdir, "process_0.log"))]
     join = [f"--coordinator=127.0.0.1:{free_port()}", f"--num_processes={n}"]
