@@ -9,12 +9,14 @@ The RL step is `configs/small_gpu.py`'s (`small`, TRACE, 8 samples of 128 new to
 mini-batches), without evaluations, mismatch steps or checkpoints between the first and last
 step: only the steady loop. `prompts_per_gpu` prompts a step per GPU: the parity runs train
 `prompts_per_gpu x gpus` prompts a step on one GPU, on every GPU from one process, and on every
-GPU from one process each; weak scaling keeps `prompts_per_gpu` per GPU on 1, 2, 4, ... GPUs.
+GPU from one process each (`expert_parallel`: the last two with the routed experts split over
+the GPUs); weak scaling keeps `prompts_per_gpu` per GPU on 1, 2, 4, ... GPUs.
 Sizing, estimated (not measured on several GPUs) from one H200's `small` TRACE step of 32 prompts
 x 8 samples (0.50 s at steady state, `rl_step_time.md`) and 1-2 minutes of compilation: `parity`
-about 3 x 2 minutes, `disaggregated` (2 lags x 50 steps) about 4, `weak_scaling` about 2 minutes
-per GPU count; one command may run 10 minutes, so measure one section at a time
-(`scripts/detached_jobs/multi_gpu_section.sh`): on 2 GPUs weak scaling covers 1 and 2.
+about 3 x 2 minutes, `expert_parallel` 2 x 2, `disaggregated` (2 lags x 50 steps) about 4,
+`weak_scaling` about 2 minutes per GPU count; one command may run 10 minutes, so measure one
+section at a time (`scripts/detached_jobs/multi_gpu_section.sh`): on 2 GPUs weak scaling covers
+1 and 2.
 
 `smoke`: the same jobs on the CPU, each "GPU" a process of one host device: the 2-block `tiny`
 model, 2 prompts x 4 samples of 8 tokens a GPU in two mini-batches, 3 steps (2 for the pair),
