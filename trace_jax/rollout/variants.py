@@ -123,7 +123,11 @@ def rollout_kwargs(
 #     the routing.
 #   "normal": every matrix normal(init_std), every norm scale one (`init_model`); its routing
 #     collapses (the benchmark's numbers before "selective_attention" existed).
-MODEL_INITS = ("selective_attention", "normal")
+MODEL_INITS = {  # name -> what it means for the routing (the benchmarks' notes say it)
+    "selective_attention": "q/k norm scales 4, so that the routers spread a prompt's tokens "
+    "near-uniformly over the experts",
+    "normal": "the plain init, whose routers send nearly every token to the same top-k experts",
+}
 SELECTIVE_QK_NORM_SCALE = 4.0
 
 
@@ -145,7 +149,7 @@ def rollout_policy(
     Qwen3-30B-A3B compiles for minutes on an H200). Pass the params to the rollout as arguments,
     not as constants folded into it."""
     if init not in MODEL_INITS:
-        raise ValueError(f"unknown model init {init!r}; choose from {MODEL_INITS}")
+        raise ValueError(f"unknown model init {init!r}; choose from {list(MODEL_INITS)}")
     cfg = dataclasses.replace(cfg, param_dtype=jnp.bfloat16)
     model = abstract_model(cfg) if abstract else init_model(cfg, seed=0)
     if init == "selective_attention" and not abstract:
