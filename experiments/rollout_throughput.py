@@ -5,7 +5,12 @@ The paper's speed claim (SPEC section 8): FP4 rollouts run faster than bf16, and
 guidance keeps them near plain FP4 (full guidance costs more). This runs the real sampler
 (`trace_jax.rollout.generate`: chunked prefill + the jitted decode loop) on a randomly initialized
 model with bf16 parameters (initialized on the device), with no stop token so that every sequence
-decodes all its new tokens. Variants (`trace_jax.rollout.variants.ROLLOUT_VARIANTS`):
+decodes all its new tokens. `config.model_init` says how the model is initialized
+(`trace_jax.rollout.variants.MODEL_INITS`): by default with selective attention, whose routers
+spread a prompt's tokens over all experts as a load-balanced trained router does; "normal" is the
+plain init, whose routers send nearly every token of a prompt to the same top-k experts (the
+results before the option; docs/kernels.md, "The benchmark model's routing"). Variants
+(`trace_jax.rollout.variants.ROLLOUT_VARIANTS`):
 
   * bf16           : no quantization; routed experts by the config's `model.grouped_matmul`;
   * fp4            : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
