@@ -26,6 +26,9 @@ python -m experiments.rollout_throughput --config.variants="('bf16', 'fp4')" \
 # the prefill chunks' attention by the flash kernel beside XLA's, 8K prompts (one round)
 python -m experiments.rollout_throughput --config.rows="((64, 8192, 256),)" --config.repeats=1 \
     --config.variants="('bf16', 'bf16 + flash prefill', 'fp4', 'fp4 + flash prefill')"
+# the plain init's collapsed routing beside the default's near-uniform one (docs/kernels.md)
+python -m experiments.rollout_throughput --config.rows="((64, 1024, 16),)" --config.repeats=1 \
+    --config.variants="('bf16', 'fp4')" --config.model_init=normal
 python -m experiments.rollout_throughput --config=configs/rollout_throughput.py:smoke  # CPU smoke
 python -m experiments.rollout_throughput --plot_from=experiments/results/rollout_throughput.json
 
@@ -52,6 +55,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             "grouped_matmul": "auto",
         }
     )
+    # How the random model is initialized (trace_jax.rollout.variants.MODEL_INITS):
+    # "selective_attention" (q/k norm scales 4) spreads a random prompt's tokens over all experts
+    # as a load-balanced trained router does (busiest expert 1.5-3x the mean; uniform 1.3x);
+    # "normal" (the plain init, results before this option) sends nearly every token to the
+    # same top-k experts
+    c.model_init = "selective_attention"
     c.format = "nvfp4"  # FP4 recipe of the FP4 variants (TRACE's rollout)
     c.variants = ("bf16", "fp4", "fp4 + compact", "fp4 + full")  # "fp4 xla" is selectable
     # (batch, prompt tokens, new tokens) per row; every variant runs every row

@@ -38,6 +38,7 @@ from experiments import harness, timing
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rollout.variants import (
+    MODEL_INITS,
     ROLLOUT_VARIANTS,
     compile_rollout,
     rollout_inputs,
@@ -260,7 +261,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
         raise ValueError(f"unknown variants {unknown}; choose from {list(ROLLOUT_VARIANTS)}")
     if len(row) != 3 or row[2] < 2:
         raise ValueError(f"row must be (batch, prompt tokens, new tokens >= 2), got {row}")
-    policy = rollout_policy(from_section(ModelSpec, config.model).build())
+    policy = rollout_policy(from_section(ModelSpec, config.model).build(), init=config.model_init)
     records = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in config.variants:
@@ -278,7 +279,9 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
     table = markdown(records)
     notes = (
         f"Model: `{config.model.preset}` cut to {policy[0].n_layers} blocks, bf16 parameters, "
-        f"random weights; row (batch, prompt, new tokens) = {row}; FP4 format {config.format}. "
+        f"random weights (`model_init={config.model_init}`: "
+        f"{MODEL_INITS[config.model_init]}); row (batch, prompt, new tokens) = {row}; "
+        f"FP4 format {config.format}. "
         "Wall: medians of alternating timed rounds; kernels: the sum of device kernel times in one "
         "profiled call. A decode step: (whole rollout - one-token rollout) / (N - 1)."
     ) + (harness.SMOKE_NOTE if config.smoke else "")
@@ -289,7 +292,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> dict:
         table=table,
         notes=notes,
         outdir=outdir,
-        extra={"row": list(row)},
+        extra={"row": list(row), "model_init": config.model_init},
     )
     print(table)
     return records

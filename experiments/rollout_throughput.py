@@ -5,7 +5,12 @@ The paper's speed claim (SPEC section 8): FP4 rollouts run faster than bf16, and
 guidance keeps them near plain FP4 (full guidance costs more). This runs the real sampler
 (`trace_jax.rollout.generate`: chunked prefill + the jitted decode loop) on a randomly initialized
 model with bf16 parameters (initialized on the device), with no stop token so that every sequence
-decodes all its new tokens. Variants (`trace_jax.rollout.variants.ROLLOUT_VARIANTS`):
+decodes all its new tokens. `config.model_init` says how the model is initialized
+(`trace_jax.rollout.variants.MODEL_INITS`): by default with selective attention, whose routers
+spread a prompt's tokens over all experts as a load-balanced trained router does; "normal" is the
+plain init, whose routers send nearly every token of a prompt to the same top-k experts (the
+results before the option; docs/kernels.md, "The benchmark model's routing"). Variants
+(`trace_jax.rollout.variants.ROLLOUT_VARIANTS`):
 
   * bf16           : no quantization; routed experts by the config's `model.grouped_matmul`;
   * fp4            : NVFP4 W/A/KV on the Pallas kernels (packed experts, packed KV cache);
@@ -62,6 +67,7 @@ from trace_jax.models import ModelConfig, active_param_count
 from trace_jax.rl.config_dict import from_section
 from trace_jax.rl.experiment import ModelSpec
 from trace_jax.rollout.variants import (
+    MODEL_INITS,
     ROLLOUT_VARIANTS,
     compile_rollout,
     decode_step_bytes,
@@ -97,7 +103,7 @@ class RolloutBench:
         spec = from_section(ModelSpec, config.model)
         self.config, self.read_bw = config, read_bw
         self.cfg, self.graphdef, self.params = rollout_policy(
-            spec.build(), abstract=config.compile_only
+            spec.build(), abstract=config.compile_only, init=config.model_init
         )
 
     def estimate_s(self, row: tuple[int, int, int], compile_s: dict | None = None) -> dict:
@@ -339,7 +345,12 @@ def plot_from(path: str) -> str:
 
 
 def check_config(config: ConfigDict) -> list[tuple[int, int, int]]:
-    """The rows of `config`, checked with its variants; ValueError naming a bad one."""
+    """The rows of `config`, checked with its variants and model init; ValueError naming a bad
+    one."""
+    if config.model_init not in MODEL_INITS:
+        raise ValueError(
+            f"unknown model_init {config.model_init!r}; choose from {list(MODEL_INITS)}"
+        )
     unknown = sorted(set(config.variants) - set(ROLLOUT_VARIANTS))
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {list(ROLLOUT_VARIANTS)}")
@@ -368,7 +379,8 @@ def previous_result(path: str) -> tuple[list[dict], list[dict]]:
 def notes(config: ConfigDict, cfg: ModelConfig) -> str:
     return (
         f"Model `{config.model.preset}` (n_layers={cfg.n_layers}), bf16 parameters (random "
-        f"init), `grouped_matmul={cfg.grouped_matmul}` for bf16's experts; {config.format} "
+        f"init `model_init={config.model_init}`: {MODEL_INITS[config.model_init]}), "
+        f"`grouped_matmul={cfg.grouped_matmul}` for bf16's experts; {config.format} "
         "W/A/KV for the FP4 variants; temperature 1, no stop token. Per row every variant is "
         f"timed in {config.repeats} alternating round(s) after a warm-up. `prefill_ms`: a rollout "
         "of one new token (prefill and the first sample, no decode step); `decode_ms_per_step`: "
@@ -393,6 +405,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
     existing JSON with `config.merge`); returns the row records. `config.compile_only`: only
     compiles them, and prints compile seconds, memory and time estimates."""
     rows = check_config(config)
+    init = config.model_init
     json_path = os.path.join(outdir, f"{name}.json")
     old, runs = previous_result(json_path) if config.merge else ([], [])
     ceil = harness.ceilings(config.ceiling_bytes, smoke=config.smoke)
@@ -406,7 +419,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         print(harness.markdown_table(table_rows(records), COMPILE_COLUMNS))
         return records
     meta = harness.provenance()
-    runs = [*runs, {k: meta[k] for k in ("date", "device", "command")}]
+    runs = [*runs, {**{k: meta[k] for k in ("date", "device", "command")}, "model_init": init}]
     new, table = [], ""
     for i, row in enumerate(rows):
         print(f"row {i + 1}/{len(rows)} (batch, prompt, new tokens) = {row}", flush=True)
@@ -415,6 +428,7 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         records = merge_rows(old, new)
         extra = {
             "device": meta["device"],
+            "model_init": init,  # of this command; each run's in `runs`
             "read_bw_GBps": ceil["read_bw"] / 1e9,
             **summarize(records, config.summary_min_batch),
             "runs": runs,

@@ -3,13 +3,17 @@ during prefill of one prompt, on the CPU (the benchmark itself reports it on the
 `trace_jax.rollout.variants.routing_balance`). The model is built as experiments/profile_rollout.py
 and rollout_throughput.py build it (`ModelSpec(preset="qwen3_5_35b_a3b", n_layers=12,
 grouped_matmul="auto")`, bf16 parameters, `init_model(seed=0)`), but one block at a time from the
-same `nnx.Rngs` stream (the same bits, a fraction of the memory); each block runs as
-`forward_cached` runs it (a KV cache of P + 256 slots, grouped MoE) and its router's top-k is
-counted.
+same `nnx.Rngs` stream (the same bits, a fraction of the memory), its attention norms set as
+`rollout_policy(init=INIT)` sets them (`trace_jax.rollout.variants.MODEL_INITS`; default
+"selective_attention", "normal" for the collapsing plain init); each block runs as `forward_cached`
+runs it (a KV cache of P + 256 slots, grouped MoE) and its router's top-k is counted. Per layer it
+also records the share of the MoE input's energy in the direction common to the prompt's tokens
+(`moe_in_common`: |mean_t h_t|^2 / mean_t |h_t|^2; 0 for unrelated tokens, 1 for identical ones)
+and the same for the attention's output (`attn_common`).
 
-usage: PYTHONPATH=. python scripts/routing_balance_cpu.py PROMPT_LEN [N_LAYERS] [N_PROMPTS]
+usage: PYTHONPATH=. python scripts/routing_balance_cpu.py PROMPT_LEN [N_LAYERS] [N_PROMPTS] [INIT]
   (2048-token prompt, 12 layers: about 4 minutes and 6 GB on two cores; writes
-  /tmp/routing_balance/stats_P<len>_nb<n>.json)
+  /tmp/routing_balance/stats_P<len>_nb<n>[_<INIT>].json, no suffix for "normal")
 """
 
 import dataclasses
@@ -24,15 +28,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.attention import CacheMask, LayerKVCache
+from trace_jax.models.attention import CacheMask, LayerKVCache, causal_mask
 from trace_jax.models.config import identity_site
 from trace_jax.models.moe import MoEImpl
 from trace_jax.models.qwen3_moe import DecoderLayer
 from trace_jax.rl.model_spec import ModelSpec
-from trace_jax.rollout.variants import rollout_inputs
+from trace_jax.rollout.variants import MODEL_INITS, rollout_inputs, sharpen_attention
 
-if len(sys.argv) < 2 or not all(a.isdigit() and int(a) > 0 for a in sys.argv[1:4]):
-    sys.exit(f"usage: {sys.argv[0]} PROMPT_LEN [N_LAYERS] [N_PROMPTS] (positive integers)")
+INIT = sys.argv[4] if len(sys.argv) > 4 else "selective_attention"
+if (
+    len(sys.argv) < 2
+    or not all(a.isdigit() and int(a) > 0 for a in sys.argv[1:4])
+    or INIT not in MODEL_INITS
+):
+    sys.exit(
+        f"usage: {sys.argv[0]} PROMPT_LEN [N_LAYERS] [N_PROMPTS] (positive integers) "
+        f"[INIT] (one of {MODEL_INITS})"
+    )
 P = int(sys.argv[1])
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 12
 NB = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # prompts run together (rows of one chunk)
@@ -59,6 +71,13 @@ def stats(topk, E=128):
     )
 
 
+def common_share(a):
+    """Mean over prompts of |mean_t a_t|^2 / mean_t |a_t|^2 for `a [B, T, D]`."""
+    a = a.astype(jnp.float32)
+    shared = jnp.sum(jnp.square(jnp.mean(a, axis=1)), axis=-1)
+    return float(jnp.mean(shared / jnp.mean(jnp.sum(a * a, axis=-1), axis=1)))
+
+
 if __name__ == "__main__":
     cfg = build_cfg(12)
     print(cfg, flush=True)
@@ -76,6 +95,14 @@ if __name__ == "__main__":
     @functools.partial(jax.jit, static_argnames=("graphdef", "layer"))
     def run_block(graphdef, state, x, positions, lengths, layer):
         block = nnx.merge(graphdef, state)
+        attn_out, _ = block.attn(  # what the block's attention adds (recomputed, for its stats)
+            block.attn_norm(x),
+            positions=positions,
+            mask=causal_mask(positions < lengths[:, None]),
+            layer=layer,
+            site=identity_site,
+        )
+        moe_in = block.mlp_norm(x + attn_out)
         shape = (x.shape[0], S, cfg.n_kv_heads, cfg.head_dim)
         cache = LayerKVCache(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
         mask = CacheMask(positions, lengths, S, from_start=True)
@@ -93,10 +120,10 @@ if __name__ == "__main__":
         )
         top1 = jnp.max(routing.probs, axis=-1)
         assert routing.probs.dtype == jnp.float32
-        return x, routing.topk_idx, jnp.mean(top1), 0
+        return x, routing.topk_idx, jnp.mean(top1), attn_out, moe_in
 
     os.makedirs(OUT, exist_ok=True)
-    out = dict(prompt_len=P, n_prompts=NB, layers=[])
+    out = dict(prompt_len=P, n_prompts=NB, init=INIT, layers=[])
     rng = np.random.default_rng(0)
     ctrl = np.argsort(rng.random((NB * P, cfg.n_experts)), axis=1)[:, : cfg.top_k]
     out["uniform_control"] = stats(ctrl)
@@ -104,16 +131,22 @@ if __name__ == "__main__":
     for i in range(L):
         t0 = time.time()
         block = DecoderLayer(cfg, rngs=rngs)
+        if INIT == "selective_attention":
+            sharpen_attention([block])
         graphdef, state = nnx.split(block)
         del block
-        x, topk, mtop1, _ = run_block(graphdef, state, x, positions, lengths, layer=i)
+        x, topk, mtop1, attn_out, moe_in = run_block(
+            graphdef, state, x, positions, lengths, layer=i
+        )
         topk = np.asarray(topk)
         st = stats(topk)
         st["layer"] = i
         st["mean_top1_prob"] = float(mtop1)
+        st["attn_common"], st["moe_in_common"] = common_share(attn_out), common_share(moe_in)
         st["x_rms"] = float(jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32)))))
         st["sec"] = time.time() - t0
         out["layers"].append(st)
         print(st, flush=True)
         del state
-        json.dump(out, open(f"{OUT}/stats_P{P}_nb{NB}.json", "w"), indent=1)
+        suffix = "" if INIT == "normal" else f"_{INIT}"
+        json.dump(out, open(f"{OUT}/stats_P{P}_nb{NB}{suffix}.json", "w"), indent=1)

@@ -234,8 +234,16 @@ def smoke_run(tmp_path_factory):
     config = config_module.get_config("smoke")
     config.keep_traces = True
     outdir = tmp_path_factory.mktemp("profile_rollout")
-    with harness.smoke_interpretation(config):
+    inits, rollout_policy = [], profile_rollout.rollout_policy
+
+    def policy_of(cfg, **kw):  # records the init the entry point asks for
+        inits.append(kw.get("init"))
+        return rollout_policy(cfg, **kw)
+
+    with harness.smoke_interpretation(config), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_rollout, "rollout_policy", policy_of)
         records = profile_rollout.run(config, outdir=str(outdir), name="profile_rollout")
+    assert inits == [config.model_init]
     return config, outdir, records
 
 
@@ -259,11 +267,13 @@ def test_smoke_run_profiles_prefill_and_a_decode_step_of_every_variant(smoke_run
             assert 0 < len(s["top"]) <= config.top
     saved = json.loads((outdir / "profile_rollout.json").read_text())
     assert saved["row"] == [2, 8, 3]
+    assert saved["model_init"] == config.model_init == "selective_attention"
     assert saved["rows"] == json.loads(
         json.dumps([{"variant": v, **phases} for v, phases in records.items()])
     )
     md = (outdir / "profile_rollout.md").read_text()
     assert "SMOKE RUN" in md and "### bf16, decode step:" in md and "### fp4, prefill:" in md
+    assert "`model_init=selective_attention`: q/k norm scales 4" in md
 
 
 @pytest.mark.xdist_group("profile_rollout_smoke_run")

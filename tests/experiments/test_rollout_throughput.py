@@ -22,6 +22,7 @@ from trace_jax.fp4 import GuidanceMode
 from trace_jax.models import ModelConfig, abstract_model, init_model
 from trace_jax.quant import SiteMode
 from trace_jax.rollout import variants
+from trace_jax.rollout.variants import SELECTIVE_QK_NORM_SCALE
 
 pytestmark = pytest.mark.usefixtures("pallas_interpreted_on_cpu")
 
@@ -97,12 +98,37 @@ def test_smoke_run_times_every_variant_and_records_a_failure(tmp_path, monkeypat
     saved = json.loads((tmp_path / "rt.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(records))
     assert saved["device"] == saved["meta"]["device"] and len(saved["runs"]) == 1
+    assert saved["model_init"] == saved["runs"][0]["model_init"] == "selective_attention"
     assert saved["bf16_byte_limit_ratio"] == row["bf16_byte_limit_ratio"]  # batch 2 >= smoke's 2
     assert saved["fp4_byte_limit_ratio"] == row["fp4_byte_limit_ratio"]
     assert saved["compact_capture_overhead"] is None  # no compact variant ran
     md = (tmp_path / "rt.md").read_text()
     assert "SMOKE RUN" in md and OOM in md
+    assert "`model_init=selective_attention`: q/k norm scales 4" in md
     assert (tmp_path / "rt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "init, qk_norm_scale", [("selective_attention", SELECTIVE_QK_NORM_SCALE), ("normal", 1.0)]
+)
+def test_the_benchmark_model_is_initialized_as_model_init_says(init, qk_norm_scale):
+    config = config_module.get_config("smoke")
+    assert config.model_init == "selective_attention"  # the default
+    config.model_init = init
+    bench = rollout_throughput.RolloutBench(config, read_bw=1e6)
+    model = nnx.merge(bench.graphdef, bench.params)
+    assert len(model.layers) == config.model.n_layers
+    for block in model.layers:
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            np.testing.assert_array_equal(np.asarray(norm.scale[...], np.float32), qk_norm_scale)
+        np.testing.assert_array_equal(np.asarray(block.mlp_norm.scale[...], np.float32), 1.0)
+
+
+def test_an_unknown_model_init_is_refused():
+    config = config_module.get_config("smoke")
+    config.model_init = "trained"
+    with pytest.raises(ValueError, match="unknown model_init 'trained'"):
+        rollout_throughput.check_config(config)
 
 
 def test_compile_only_compiles_from_shapes_and_runs_nothing(tmp_path, monkeypatch, capsys):
@@ -157,12 +183,15 @@ def test_estimate_adds_compiles_and_rollouts_at_the_assumed_rates():
 
 
 def test_parameters_are_init_model_s_made_by_small_compiles_shared_across_depths():
-    """The bench's parameters are `init_model(cfg, seed=0)`'s, made eagerly: one small compiled
-    op per distinct parameter shape, so a deeper model of the same shapes compiles nothing new
-    (one jitted init of the whole model would compile once per depth)."""
+    """The bench's parameters are `init_model(cfg, seed=0)`'s with sharpened attention (the
+    default `model_init`), made eagerly: one small compiled op per distinct parameter shape, so a
+    deeper model of the same shapes compiles nothing new (one jitted init of the whole model
+    would compile once per depth)."""
     config = config_module.get_config("smoke")
     bench = rollout_throughput.RolloutBench(config, read_bw=1.0)
-    want = nnx.split(init_model(bench.cfg, seed=0))[1]
+    model = init_model(bench.cfg, seed=0)
+    variants.sharpen_attention(model.layers)
+    want = nnx.split(model)[1]
     for got, ref in zip(jax.tree.leaves(bench.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     lowered = []

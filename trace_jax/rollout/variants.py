@@ -109,16 +109,52 @@ def rollout_kwargs(
     )
 
 
+# How the benchmark's random model is initialized (`rollout_policy(init=...)`):
+#   "selective_attention": every matrix normal(init_std), the attention's q_norm and k_norm scales
+#     SELECTIVE_QK_NORM_SCALE (the other norms one). At the plain init a query's attention logits
+#     have a standard deviation near 1 over hundreds of keys, so attention averages the prefix:
+#     each layer writes the prompt's mean value vector into every token of the prompt, the shared
+#     part of the residual stream grows layer by layer, and the routers send nearly every token
+#     to the same top-k experts (docs/kernels.md, "The benchmark model's routing"). Scaling both
+#     q and k norms by 4 scales the logits by 16: each query attends to a few keys (as trained
+#     heads do), the residual stream stays token-specific, and the routers spread the tokens over
+#     all experts as a load-balanced trained router does (the busiest expert 1.5-3.1x the mean
+#     rows of a 1K prompt over 12 layers; uniform routing 1.3x). The forward is unchanged (the
+#     norm scales are the model's own parameters), and no cost of the rollout depends on them
+#     but the routing.
+#   "normal": every matrix normal(init_std), every norm scale one (`init_model`); its routing
+#     collapses (the benchmark's numbers before "selective_attention" existed).
+MODEL_INITS = {  # name -> what it means for the routing (the benchmarks' notes say it)
+    "selective_attention": "q/k norm scales 4, so that the routers spread a prompt's tokens "
+    "over all experts",
+    "normal": "the plain init, whose routers send nearly every token to the same top-k experts",
+}
+SELECTIVE_QK_NORM_SCALE = 4.0
+
+
+def sharpen_attention(blocks, qk_norm_scale: float = SELECTIVE_QK_NORM_SCALE) -> None:
+    """Sets the q_norm and k_norm scales [Dh] of every `DecoderLayer` in `blocks` (in place) to
+    `qk_norm_scale`: attention logits `qk_norm_scale**2` times those of unit scales."""
+    for block in blocks:
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            norm.scale[...] = jnp.full_like(norm.scale[...], qk_norm_scale)
+
+
 def rollout_policy(
-    cfg: ModelConfig, *, abstract: bool = False
+    cfg: ModelConfig, *, abstract: bool = False, init: str = "selective_attention"
 ) -> tuple[ModelConfig, object, object]:
     """The rollout's bf16 copy of a policy of `cfg` (the trainer keeps the fp32 master copy),
-    randomly initialized on the default device, or its shapes only (`abstract`) -> (its config,
-    graphdef, params). Made eagerly: one small compiled random op per distinct parameter shape,
-    the same for any n_layers (one jitted init of a 12-block Qwen3-30B-A3B compiles for minutes on
-    an H200). Pass the params to the rollout as arguments, not as constants folded into it."""
+    randomly initialized on the default device as `init` says (`MODEL_INITS`), or its shapes only
+    (`abstract`) -> (its config, graphdef, params). Made eagerly: one small compiled random op per
+    distinct parameter shape, the same for any n_layers (one jitted init of a 12-block
+    Qwen3-30B-A3B compiles for minutes on an H200). Pass the params to the rollout as arguments,
+    not as constants folded into it."""
+    if init not in MODEL_INITS:
+        raise ValueError(f"unknown model init {init!r}; choose from {list(MODEL_INITS)}")
     cfg = dataclasses.replace(cfg, param_dtype=jnp.bfloat16)
     model = abstract_model(cfg) if abstract else init_model(cfg, seed=0)
+    if init == "selective_attention" and not abstract:
+        sharpen_attention(model.layers)
     graphdef, params = nnx.split(model)
     return cfg, graphdef, params
 
