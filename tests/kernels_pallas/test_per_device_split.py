@@ -36,10 +36,10 @@ from kernels_pallas.prefill_attention import prefill_attention
 from trace_jax import fp4
 from trace_jax.fp4 import PackedTensorCache
 from trace_jax.rl.sharding import make_mesh
+from trace_jax.rollout.collectives import hlo_collectives
 
 pytestmark = pytest.mark.xdist_group("per_device_split")
 
-COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)")
 B, S, HKV, G, DH = 4, 64, 2, 2, 64
 LENGTHS = np.asarray([64, 1, 33, 50], np.int32)
 
@@ -146,7 +146,7 @@ def test_triton_kernel_runs_on_each_devices_rows(mesh, name):
         f = jax.jit(fn)
         got = f(*sharded)
         hlo = f.lower(*sharded).compile().as_text()
-    found = sorted(set(COLLECTIVES.findall(hlo)))
+    found = sorted({c.op for c in hlo_collectives(hlo)})
     assert not found, f"{name}: the compiled program moves rows between devices: {found}"
     _assert_equal(got, want)
     for leaf in jax.tree.leaves(got):
