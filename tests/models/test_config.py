@@ -20,7 +20,7 @@ from trace_jax.models import (
     param_count,
     resolve_implementation,
 )
-from trace_jax.models.config import prefill_attention_order
+from trace_jax.models.backends import prefill_attention_order
 
 # Qwen3-30B-A3B config.json (the fields that matter), as published by Qwen.
 QWEN3_30B_A3B_HF = {

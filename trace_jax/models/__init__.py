@@ -15,18 +15,14 @@ from trace_jax.models.attention import (
     init_cache,
     rope_angles,
 )
-from trace_jax.models.config import (
+from trace_jax.models.backends import (
     IMPLEMENTATION_SETTINGS,
-    ModelConfig,
-    QuantSite,
-    SiteName,
     expert_kernel_order,
-    identity_site,
     kernel_order,
     resolve_implementation,
     site_implementation,
-    site_records,
 )
+from trace_jax.models.config import ModelConfig, QuantSite, SiteName, identity_site, site_records
 from trace_jax.models.hf_checkpoint import (
     load_hf_checkpoint,
     model_from_hf_tensors,

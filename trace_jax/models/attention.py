@@ -29,14 +29,8 @@ from kernels_pallas.prefill_attention import prefill_attention
 from trace_jax import fp4
 from trace_jax.fp4 import BlockFormat, PackedTensorCache
 from trace_jax.fp4.packed_cache import write_slots
-from trace_jax.models.config import (
-    ModelConfig,
-    QuantSite,
-    SiteName,
-    kernel_order,
-    prefill_attention_order,
-    site_implementation,
-)
+from trace_jax.models.backends import kernel_order, prefill_attention_order, site_implementation
+from trace_jax.models.config import ModelConfig, QuantSite, SiteName
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 

@@ -21,14 +21,7 @@ Each site is called once per layer and forward call; `layer` is a Python int in 
 "expert_mid" is also given `experts=` the int32 [B, T, K] expert id of each slot, so that a site
 can align per-slot data (the rollout's guidance) with the slots of this forward.
 
-The site is also the one home of the forward call's kernel choice: its `implementation` ("xla"
-or "pallas", `site_implementation`; `trace_jax.quant.QuantSites` sets it, the rollout passes it,
-the trainer keeps "xla", which is differentiable). With "pallas" the model runs the kernel ops
-(`kernels_pallas`) with `kernel_order` (the routed experts' FP4 matmul with `expert_kernel_order`);
-with "xla" it runs plain XLA. A rollout's setting "auto" becomes one of the two here
-(`resolve_implementation`): the Pallas kernels where they compile natively (Triton on an NVIDIA
-GPU, Mosaic on a TPU), XLA elsewhere. "pallas" elsewhere needs interpretation asked for
-explicitly (`kernels_pallas.common.interpreting`), as tests on the CPU do.
+The kernels a forward call runs are chosen by its site (`trace_jax.models.backends`).
 
 Axis legend: B batch, T time, D model, E experts, K top-k, F expert ffn, Hkv kv heads, Dh head dim.
 """
@@ -44,10 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import common
-from kernels_pallas.common import Implementation
-from kernels_pallas.fp4_moe_matmul import MoEImplementation
-from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
+from trace_jax.models.backends import PREFILL_ATTENTION
 from trace_jax.models.grouped_matmul import GroupedMatmul
 
 
@@ -102,57 +92,6 @@ def take_written_records(
     }
 
 
-def site_implementation(site: QuantSite) -> Implementation:
-    """The kernels a forward call with `site` runs: its `implementation` attribute, XLA for a site
-    without one (`identity_site`, plain functions)."""
-    return Implementation(getattr(site, "implementation", Implementation.XLA))
-
-
-def kernel_order(implementation: Implementation) -> tuple[Implementation, ...]:
-    """The `implementation=` the model passes to every kernel op: for PALLAS the Pallas kernel
-    (`kernels_pallas.common.pallas_target`: native, or as the `interpreting` context says) and the
-    op's XLA reference where the kernel cannot take the shapes (the fused quantize tiles
-    power-of-two rows only; its reference gives the same codes); for XLA the reference.
-
-    Raises `kernels_pallas.common.PallasUnavailableError` for PALLAS where Pallas does not compile
-    and no interpretation was asked for, rather than let every op fall back to XLA unseen."""
-    if Implementation(implementation) is Implementation.PALLAS:
-        common.pallas_target()
-        return (Implementation.PALLAS, Implementation.XLA)
-    return (Implementation.XLA,)
-
-
-def expert_kernel_order(implementation: Implementation) -> tuple[MoEImplementation, ...]:
-    """The `implementation=` the model passes to the routed experts' FP4 matmul
-    (`kernels_pallas.fp4_moe_matmul`): `kernel_order`, led for PALLAS on a GPU that multiplies
-    block-scaled FP4 in hardware (compute capability >= 10: Blackwell) by cuDNN's block-scaled
-    matmul, "scaled_matmul", which steps aside (NotImplementedError) for operand formats cuDNN
-    lacks. That path has not run on such a GPU here (none was available): only its selection
-    and its CPU decomposition are tested."""
-    order = tuple(MoEImplementation(i) for i in kernel_order(implementation))
-    if order[0] is MoEImplementation.PALLAS and fp4_moe_matmul_api.native_block_scaled():
-        return (MoEImplementation.SCALED_MATMUL, *order)
-    return order
-
-
-# What a rollout's `implementation` setting may say (`rl.rollout_implementation`).
-IMPLEMENTATION_SETTINGS = ("auto", *(i.value for i in Implementation))
-
-
-def resolve_implementation(setting: str | Implementation) -> Implementation:
-    """The kernels a rollout runs for its setting: "pallas" or "xla" as named, "auto" the Pallas
-    kernels where they compile natively (`kernels_pallas.common.native_lowering`: Triton on a GPU,
-    Mosaic on a TPU) and XLA elsewhere (there Pallas only interprets: the same codes, far
-    slower). Raises ValueError for another setting."""
-    if setting not in IMPLEMENTATION_SETTINGS:
-        raise ValueError(
-            f"implementation must be one of {list(IMPLEMENTATION_SETTINGS)}, got {setting!r}"
-        )
-    if setting == "auto":
-        return Implementation.PALLAS if common.native_lowering() else Implementation.XLA
-    return Implementation(setting)
-
-
 # Hugging Face `Qwen3MoeConfig` keys. One setting may have two names: transformers 5 writes
 # `num_local_experts`, `rope_parameters: {"rope_theta", "rope_type"}` and `dtype`; older configs
 # (the Hub's Qwen3-30B-A3B) `num_experts`, a top-level `rope_theta` (`rope_scaling` for RoPE
@@ -200,23 +139,6 @@ def _hf_rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
     if len({float(v) for v in thetas.values()}) > 1:
         problems.append(f"different RoPE bases {thetas}")
     return float(next(iter(thetas.values()), _HF_DEFAULT_ROPE_THETA))
-
-
-# `ModelConfig.prefill_attention` settings; "auto" is decided by `prefill_attention_order`.
-PREFILL_ATTENTION = ("xla", "pallas", "cudnn", "auto")
-
-
-def prefill_attention_order(setting: str) -> tuple[Implementation, ...]:
-    """The `implementation=` a prefill chunk's attention passes to `kernels_pallas.
-    prefill_attention` for `ModelConfig.prefill_attention`: "xla" the reference; "pallas" the
-    kernel (`kernel_order`); "cudnn" the kernel as well, for the chunks cuDNN cannot express
-    (those that do not start at slot 0); "auto" the kernel where Pallas compiles natively (a
-    GPU: Triton, a TPU: Mosaic), else the reference."""
-    if setting == "auto":
-        setting = "pallas" if common.native_lowering() else "xla"
-    elif setting == "cudnn":
-        setting = "pallas"
-    return kernel_order(Implementation(setting))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

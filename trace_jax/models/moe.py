@@ -25,13 +25,12 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import common
 from kernels_pallas.fp4_moe_matmul import PackedFP4Weights, fp4_moe_matmul, pack_weights
 from trace_jax import fp4
+from trace_jax.models.backends import expert_kernel_order, site_implementation
 from trace_jax.models.config import (
     ModelConfig,
     QuantSite,
     SiteName,
-    expert_kernel_order,
     identity_site,
-    site_implementation,
     site_records,
     take_written_records,
 )

@@ -25,7 +25,7 @@ from kernels_pallas.common import Implementation
 from kernels_pallas.fp4_quantize import QuantizedCapture, fp4_quantize
 from trace_jax import fp4
 from trace_jax.fp4 import Guidance, GuidanceMode, QTensor, make_guidance
-from trace_jax.models.config import kernel_order
+from trace_jax.models.backends import kernel_order
 from trace_jax.quant.config import (
     ACTIVATION_SITES,
     WEIGHT_SITES,
