@@ -72,7 +72,7 @@ def test_settings_that_cannot_give_the_table_are_refused_before_any_work(
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """One smoke run of both methods (the 2-block model), with evaluation scores that tell the
+    """One smoke run of both methods (the 1-block model), with evaluation scores that tell the
     stages and executions apart (a model this small scores 0 everywhere, which would let a table
     that mixes up its columns pass)."""
     workdir = tmp_path_factory.mktemp("quickstart")
