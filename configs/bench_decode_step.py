@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.trials = 3  # trials per round (their median is the round's time)
     if arg == "smoke":
         c.smoke = True
-        c.model.preset, c.model.n_layers, c.model.head_dim = "tiny", 2, 32
+        c.model.preset, c.model.n_layers, c.model.head_dim = "tiny", 1, 32
         c.batch, c.contexts, c.steps_per_call = 2, (64,), 2
         c.rounds, c.inner, c.trials = 1, 1, 1
     elif arg:
