@@ -11,7 +11,7 @@ import ml_collections
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The `small` preset on the H200; `arg="smoke"`: the 2-block `tiny` model at context 64,
+    """The `small` preset on the H200; `arg="smoke"`: the 1-block `tiny` model at context 64,
     one round of one call."""
     c = ml_collections.ConfigDict()
     c.smoke = False  # one warm-up and one timed call per variant (numbers meaningless)
