@@ -13,6 +13,11 @@ Per phase (M rows routed at random to G experts, uniformly or skewed by `config.
                  `PREDECODE_MIN_ROWS_PER_GROUP` rows per expert; the two above run
                  `predecode=False`, the kernel's in-kernel decode
   dense_bf16     `[M, K] x [K, N]` in bf16: the same FLOPs, the machine's matmul rate
+And once, the predecoded kernels' first step alone (phase `weights_decode`): the packed weights
+decoded to float16 and to bfloat16 by one XLA fusion (`decode_xla_*`, `predecoded.
+decoded_weights`) and by the Pallas pass the kernels run (`decode_pallas_*`, `predecoded.
+decode_weights`), side by side, against the copy bandwidth (codes and scales read, 2 bytes a
+value written), the Pallas pass's output checked bit for bit against the XLA fusion's.
 Each Pallas kernel runs every block config of `config.block_configs.<phase>.<kernel>` (timed with
 `timing.time_fn`; a config that fails to compile or run, e.g. past Triton's shared memory, is
 recorded with its error and skipped); the best config per kernel and the baselines are then timed
@@ -38,11 +43,13 @@ from absl import logging
 from ml_collections import ConfigDict
 
 from experiments import harness, timing
+from kernels_pallas import common
 from kernels_pallas.fp4_moe_matmul import (
     dequantize_lhs,
     dequantize_weights,
     fp4_moe_matmul,
     pack_weights,
+    predecoded,
 )
 from kernels_pallas.grouped_matmul import grouped_matmul
 from trace_jax import fp4
@@ -62,13 +69,19 @@ COLUMNS += ["byte_limit_ratio", "loop_ms", "loop_byte_limit_ratio", "vs_ragged_d
 COLUMNS += ["block_config"]
 
 
+def weights(config: ConfigDict) -> jax.Array:
+    """float32 `[G, N, K]` normal weights times 0.02 (the same in every phase)."""
+    g, k, n = config.experts, config.d_model, config.d_ff
+    return jax.random.normal(jax.random.key(7), (g, n, k), jnp.float32) * 0.02
+
+
 def operands(config: ConfigDict, m: int) -> dict:
     """Random operands of one phase: x bf16 [M, K], w_nk bf16 [G, N, K] (w_kn its [G, K, N]),
     packed NVFP4 weights, NVFP4 activations, and group sizes of M rows routed at random:
     uniformly (`config.routing_skew` 0), else expert e with probability proportional to
     (e + 1) ** -routing_skew (Zipf: a router that sends many rows to a few experts)."""
-    g, k, n = config.experts, config.d_model, config.d_ff
-    w = jax.random.normal(jax.random.key(7), (g, n, k), jnp.float32) * 0.02
+    g, k = config.experts, config.d_model
+    w = weights(config)
     x = jax.random.normal(jax.random.key(8), (m, k), jnp.bfloat16)
     skew = config.get("routing_skew", 0.0)
     if skew:
@@ -229,16 +242,58 @@ def measure_phase(config: ConfigDict, phase: str, m: int, read_bw: float):
     return rows, sweeps
 
 
+def measure_decode_pass(config: ConfigDict, copy_bw: float) -> list[dict]:
+    """Rows of the weights' decode pass (phase `weights_decode`): the XLA fusion and, where the
+    Pallas kernels lower through Triton (interpreted on a CPU), the Pallas pass, to each 16-bit
+    dtype, timed in alternating rounds; `byte_limit_ms` at the copy bandwidth."""
+    packed = jax.jit(pack_weights, static_argnums=1)(weights(config), fp4.NVFP4)
+    target = common.pallas_target()
+    calls = {}
+    for dtype in (jnp.float16, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        xla = functools.partial(predecoded.decoded_weights, dtype=jnp.dtype(dtype))
+        calls[f"decode_xla_{name}"] = (xla, (packed,))
+        if target.lowering is common.Lowering.TRITON:
+            pallas = functools.partial(
+                predecoded.decode_weights, dtype=dtype, interpret=target.interpret
+            )
+            calls[f"decode_pallas_{name}"] = (pallas, (packed,))
+    smoke = config.smoke
+    trials = dict(inner=1, trials=1, warmup=1) if smoke else dict(inner=10, trials=3, warmup=2)
+    by_round = timing.time_interleaved(calls, rounds=config.rounds, **trials)
+    g, n, k = packed.shape
+    n_bytes = harness.nbytes(packed.codes, packed.scales) + 2 * g * n * k
+    rows = []
+    for name, (fn, args) in calls.items():
+        ms = 1e3 * statistics.median(by_round[name])
+        row = {"phase": "weights_decode", "G": g, "K": k, "N": n, "kernel": name, "ms": ms}
+        row["ms_by_round"] = [1e3 * t for t in by_round[name]]
+        row["bytes_GB"] = n_bytes / 1e9
+        row["byte_limit_ms"] = 1e3 * n_bytes / copy_bw
+        row["byte_limit_ratio"] = ms / row["byte_limit_ms"]
+        xla_fn, xla_args = calls[name.replace("pallas", "xla")]
+        same = jnp.array_equal(
+            jax.lax.bitcast_convert_type(jax.jit(fn)(*args), jnp.uint16),
+            jax.lax.bitcast_convert_type(jax.jit(xla_fn)(*xla_args), jnp.uint16),
+        )
+        row["bit_exact_vs_xla"] = bool(same)
+        rows.append(row)
+        logging.info("%s", row)
+    return rows
+
+
 def bench(config: ConfigDict) -> tuple[list[dict], dict]:
-    """Rows of every phase of `config.phases`, and the extra JSON (ceilings, sweeps)."""
+    """Rows of every phase of `config.phases` and of the weights' decode pass, and the extra
+    JSON (ceilings, sweeps)."""
     ceilings = harness.ceilings(config.ceiling_bytes, smoke=config.smoke)
     rows, sweeps = [], {}
     for phase, m in config.phases:
         phase_rows, sweeps[phase] = measure_phase(config, phase, m, ceilings["read_bw"])
         rows += phase_rows
+    rows += measure_decode_pass(config, ceilings["copy_bw"])
     summary = {
         phase: {r["kernel"]: r.get("ms") for r in rows if r["phase"] == phase}
-        for phase, _ in config.phases
+        for phase in (*(phase for phase, _ in config.phases), "weights_decode")
     }
     return rows, {"ceilings": ceilings, "summary_ms": summary, "sweep": sweeps}
 
@@ -255,7 +310,11 @@ def run(config: ConfigDict, *, outdir: str, name: str) -> list[dict]:
         "operands; `loop_ms`: per call inside one device loop of calls chained back to back (no "
         "host dispatch per call; includes the loop's own cost per call, `loop_floor_ms` in the "
         "JSON rows); `block_config`: the best of the Pallas kernel's sweep (every entry in the "
-        "JSON's `sweep`, `{}` = the kernel's default_block_config)."
+        "JSON's `sweep`, `{}` = the kernel's default_block_config). Phase `weights_decode`: "
+        "the predecoded kernels' decode pass alone (XLA fusion, Pallas pass), `byte_limit_ms` "
+        "there at the copy bandwidth "
+        f"({extra['ceilings']['copy_bw'] / 1e12:.2f} TB/s; codes and scales read, 2 bytes a "
+        "value written), `bit_exact_vs_xla` in the JSON rows."
         + (harness.SMOKE_NOTE if config.smoke else "")
     )
     table = harness.write_table(

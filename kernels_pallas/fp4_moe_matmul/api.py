@@ -82,9 +82,11 @@ def native_block_scaled() -> bool:
 # H200's rates (bf16 grouped matmul 404 TFLOP/s, FP4 kernel 195, copy 3.3 TB/s); at 512 the
 # expected gain holds even if that pass runs at half the copy bandwidth.
 PREDECODE_MIN_ROWS_PER_GROUP = 512
-# Off: timed on an H200 (`kernels_moe_matmul.md`, 65536 rows) the path gains nothing (0.999 ms with
-# bf16 activations, 1.166 with NVFP4, against the in-kernel decode's 1.03): XLA's decode pass
-# writes the 16-bit operands at a third of the copy bandwidth the threshold above assumes.
+# Off: timed on an H200 (`kernels_moe_matmul.md`, 65536 rows) with XLA's decode pass the path
+# gained nothing (0.999 ms with bf16 activations, 1.166 with NVFP4, against the in-kernel
+# decode's 1.03): that pass wrote the 16-bit operands at a third of the copy bandwidth the
+# threshold above assumes. The path now decodes in a Pallas pass (`predecoded.decode_weights`),
+# not yet timed on a GPU; off until it is.
 PREDECODE_BY_DEFAULT = False
 
 

@@ -216,7 +216,7 @@ def tile_group_ranges(group_sizes: jax.Array, m: int, block_m: int):
     return bounds, first, end
 
 
-def _exact_dtype(fmt: fp4.BlockFormat | None) -> jnp.dtype:
+def exact_dtype(fmt: fp4.BlockFormat | None) -> jnp.dtype:
     """The 16-bit float that holds every decoded operand value of `fmt` exactly (None: bfloat16
     activations): float16 for E2M1 codes times E4M3 block scales (times the FP4 decode's 2**-14:
     at most 6 significant bits, multiples of 2**-24 below 0.17); bfloat16 otherwise (E8M0 scales
@@ -230,7 +230,7 @@ def dot_dtype(lhs_fmt: fp4.BlockFormat | None, w_fmt: fp4.BlockFormat) -> jnp.dt
     """The dots' operand dtype: float16 where both operands are exact in it (NVFP4 x NVFP4), else
     bfloat16: a bf16 activation or an E8M0 scale does not fit float16, while float16 operands fit
     bfloat16."""
-    if _exact_dtype(lhs_fmt) == _exact_dtype(w_fmt) == jnp.float16:
+    if exact_dtype(lhs_fmt) == exact_dtype(w_fmt) == jnp.float16:
         return jnp.dtype(jnp.float16)
     return jnp.dtype(jnp.bfloat16)
 
@@ -249,7 +249,7 @@ def decoded_operand(
     in the low nibble, or E4M3 bits) times their block scales `[..., K / block_size]` (`fmt`'s
     scale dtype) -> `dtype` `[..., K]`, FP4 values times 2**-14 (`common.e2m1_codes_as_f16`),
     without the global scale. `dtype` is `dot_dtype` of the call's formats (see `_scaled`)."""
-    s = decode_scale_bits(scale_bits(scales), fmt).astype(_exact_dtype(fmt))
+    s = decode_scale_bits(scale_bits(scales), fmt).astype(exact_dtype(fmt))
     s = jnp.repeat(s, fmt.block_size, axis=-1)
     values = e2m1_codes_as_f16(codes) if fmt.is_fp4 else as_e4m3(codes)
     return (values.astype(s.dtype) * s).astype(dtype)
@@ -283,7 +283,7 @@ class _Statics:
         return 3 if self.lhs_fmt is not None and self.lhs_fmt.has_global_scale else 2
 
 
-def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
+def expand_blocks(s: jax.Array, block: int) -> jax.Array:
     """`[R, NB]` per-block values -> `[R, NB * block]` per-element values."""
     r, nb = s.shape
     return jnp.broadcast_to(s[:, :, None], (r, nb, block)).reshape(r, nb * block)
@@ -291,7 +291,7 @@ def _expand_blocks(s: jax.Array, block: int) -> jax.Array:
 
 def _scaled(values: jax.Array, scales: jax.Array, st: _Statics) -> jax.Array:
     """`values * scales` as a dot operand of `st.dot_dtype`, exactly: both are in the scales' dtype
-    (`_exact_dtype` of their format), so is the product, and a float16 product is also exact in
+    (`exact_dtype` of their format), so is the product, and a float16 product is also exact in
     bfloat16 (at most 6 significant bits, at least 2**-24)."""
     return (values.astype(scales.dtype) * scales).astype(st.dot_dtype)
 
@@ -322,7 +322,7 @@ def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
     sbits = w_refs[1][g, :, pl.ds(k0 // fmt.block_size, n_blocks)]
     if st.split_by_scale_block:  # codes ref [G, N, K / bs, bs / 2]: one row of bytes per block
         packed = w_refs[0][g, :, pl.ds(pl.multiple_of(k0 // fmt.block_size, n_blocks), n_blocks)]
-        scales = decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt))[:, :, None]
+        scales = decode_scale_bits(sbits, fmt).astype(exact_dtype(fmt))[:, :, None]
         bn = packed.shape[0]
         return tuple(  # [bn, n_blocks, bs / 2] -> [bn, bk / 2]: contiguous axes merged
             _scaled(plane, scales, st).reshape(bn, st.block_k // 2)
@@ -330,8 +330,8 @@ def _weight_planes(w_refs, g, k0, st: _Statics) -> tuple[jax.Array, jax.Array]:
         )
     half = pl.multiple_of(k0 // 2, st.block_k // 2)
     packed = w_refs[0][g, :, pl.ds(half, st.block_k // 2)]  # [bn, bk / 2]: byte i = (2i, 2i + 1)
-    scales = _expand_blocks(
-        decode_scale_bits(sbits, fmt).astype(_exact_dtype(fmt)), fmt.block_size // 2
+    scales = expand_blocks(
+        decode_scale_bits(sbits, fmt).astype(exact_dtype(fmt)), fmt.block_size // 2
     )
     # Shifts and masks on whole words, no convert instruction (`common.fp4_planes_as_f16`).
     even, odd = fp4_planes_as_f16(packed, inline_asm=st.inline_asm)

@@ -1,7 +1,7 @@
 """The grouped matmul benchmark in its CPU smoke configuration (interpret mode): every kernel and
 the dense matmul per phase, the Pallas sweeps with a failing block config recorded and skipped,
-and a kernel whose every config fails; outputs checked against the float32 product (timings are
-not checked)."""
+a kernel whose every config fails, and the weights' decode pass (XLA beside Pallas); outputs
+checked against the float32 product or the XLA decode (timings are not checked)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,25 @@ def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
     config = config_module.get_config("smoke")
     rows = bench.run(config, outdir=str(tmp_path), name="moe")
     kernels = [*bench.KERNELS, bench.DENSE]
-    assert [(r["phase"], r["M"], r["kernel"]) for r in rows] == [
+    phase_rows = [r for r in rows if r["phase"] != "weights_decode"]
+    assert [(r["phase"], r["M"], r["kernel"]) for r in phase_rows] == [
         (phase, m, k) for phase, m in (("decode", 24), ("prefill", 96)) for k in kernels
     ]
+    # The decode pass alone, XLA beside Pallas, for each 16-bit dtype: the Pallas pass's bits are
+    # the XLA fusion's, its limit the bytes (codes, scales, 2 bytes a value) at the copy rate.
+    decode_rows = {r["kernel"]: r for r in rows if r["phase"] == "weights_decode"}
+    assert sorted(decode_rows) == sorted(
+        f"decode_{impl}_{dtype}" for impl in ("xla", "pallas") for dtype in ("float16", "bfloat16")
+    )
+    decode_bytes = 4 * 64 * 64 * (2 + 1 / 2 + 1 / 16)  # float16 out, codes, E4M3 scales
+    copy_bw = json.loads((tmp_path / "moe.json").read_text())["ceilings"]["copy_bw"]
+    for r in decode_rows.values():
+        assert r["bit_exact_vs_xla"] and r["bytes_GB"] == pytest.approx(decode_bytes / 1e9)
+        assert r["byte_limit_ms"] == pytest.approx(1e3 * decode_bytes / copy_bw)
+        assert r["byte_limit_ratio"] == pytest.approx(r["ms"] / r["byte_limit_ms"])
     saved = json.loads((tmp_path / "moe.json").read_text())
     sweeps = saved["sweep"]
-    by = {(r["phase"], r["kernel"]): r for r in rows}
+    by = {(r["phase"], r["kernel"]): r for r in phase_rows}
     for (phase, kernel), r in by.items():
         assert (r["G"], r["K"], r["N"]) == (4, 64, 64)
         if (phase, kernel) == ("prefill", "pallas_bf16"):  # its only config fails
@@ -51,6 +64,7 @@ def test_smoke_run_times_every_kernel_and_records_failing_configs(tmp_path):
     assert "block_n must be a power of two >= 16, got 48" in failed[0]["error"]
     assert by[("decode", "fp4_nvfp4_act")]["block_config"]["grid"] == "row_tiles"
     assert saved["summary_ms"]["prefill"]["pallas_bf16"] is None
+    assert set(saved["summary_ms"]["weights_decode"]) == set(decode_rows)
     # Each FP4 kernel beside its predecoded twin, on the same operands, whatever the op's default.
     ops = bench.operands(config, 96)
     for kernel in bench.FP4:

@@ -231,14 +231,14 @@ def test_lowers_to_triton_for_h200(w_fmt, a_fmt, grid, layout):
     assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
 
 
-def _pallas_call_operands(jaxpr) -> list:
+def _pallas_call_operands(jaxpr, skip: tuple[str, ...] = ()) -> list:
     """Abstract values of the operands of the one `pallas_call` inside `jaxpr` (nested jits
-    included)."""
+    included) not named in `skip`."""
     found = []
 
     def walk(j):
         for eqn in j.eqns:
-            if eqn.primitive.name == "pallas_call":
+            if eqn.primitive.name == "pallas_call" and eqn.params["name"] not in skip:
                 found.append([v.aval for v in eqn.invars])
             for param in eqn.params.values():
                 if isinstance(param, jax_core.Jaxpr):

@@ -1,6 +1,7 @@
 """The FP4 MoE matmul with its weights decoded before the call (`predecoded.py`): the shared
 cases of test_fp4_moe_matmul against the float32 reference (same tolerance and reasons: exact
-16-bit operands, float32 sums), its selection by rows per expert, its errors, its Triton lowering.
+16-bit operands, float32 sums), the Pallas decode pass against ml_dtypes' decode, its selection by
+rows per expert, its errors, its Triton lowering.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.fp4_moe_matmul import api, fp4_moe_matmul, pack_weights, predecoded
 from kernels_pallas.grouped_matmul.kernel import BlockConfig
@@ -79,10 +83,40 @@ def test_operands_across_their_formats_range(w_fmt, a_fmt):
     assert_matches_reference(out, lhs, rhs, gs, exact=False)
 
 
+def _decoded_by_ml_dtypes(rhs) -> np.ndarray:
+    """float64 `[G, N, K]` values times 2**-14, without the global scale: each byte's low nibble
+    then high nibble as ml_dtypes' E2M1, times its block's scale as ml_dtypes reads it."""
+    codes = np.asarray(rhs.codes)
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    values = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    scales = np.asarray(rhs.scales).astype(np.float64)
+    return values * np.repeat(scales, rhs.fmt.block_size, axis=-1) * 2.0**-14
+
+
+DECODE_PASS_CASES = [(fp4.NVFP4, jnp.float16), (fp4.NVFP4, jnp.bfloat16), (fp4.MXFP4, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), DECODE_PASS_CASES, ids=lambda v: getattr(v, "name", v))
+def test_decode_pass_is_the_exact_decode(fmt, dtype):
+    """The Pallas decode pass (interpreted: the PTX's jnp twin) writes each weight's exact value
+    (ml_dtypes' decode in float64) in its place: both nibbles of every byte, block scales across
+    the format's range, several tiles on every grid axis (N 96 in tiles of 32, K 1536 in tiles
+    of 512) and the XLA fusion's bits (`decoded_weights`, the TPU path's decode)."""
+    rhs = pack_weights(_wide_range((2, 96, 1536), fmt, seed=11), fmt)
+    out = predecoded.decode_weights(rhs, dtype, interpret=True)
+    assert out.shape == (2, 96, 1536) and out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float64), _decoded_by_ml_dtypes(rhs))
+    xla = predecoded.decoded_weights(rhs, jnp.dtype(dtype))
+    assert bool(jnp.all(jax.lax.bitcast_convert_type(out, jnp.uint16) == (
+        jax.lax.bitcast_convert_type(xla, jnp.uint16)
+    )))  # fmt: skip
+
+
 def _weight_operand(lhs, rhs, gs, **kwargs):
-    """(shape, dtype) of the weights operand (`[G, N, K or K / 2]`) of the Pallas call."""
+    """(shape, dtype) of the weights operand (`[G, N, K or K / 2]`) of the matmul's Pallas call
+    (not of the predecoded path's decode pass, which reads the packed weights)."""
     f = functools.partial(fp4_moe_matmul, implementation="pallas", interpret=True, **kwargs)
-    avals = _pallas_call_operands(jax.make_jaxpr(f)(lhs, rhs, gs))
+    avals = _pallas_call_operands(jax.make_jaxpr(f)(lhs, rhs, gs), skip=("fp4_weights_decode",))
     (w,) = [a for a in avals if a.shape[:2] == (G, N) and a.shape[2] >= K // 2]  # not scales
     return w.shape, w.dtype
 
@@ -125,9 +159,13 @@ def test_predecoded_settings_are_checked():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize(("w_fmt", "a_fmt"), [(fp4.NVFP4, fp4.NVFP4), (fp4.MXFP4, None)], ids=_id)
 def test_lowers_to_triton_for_h200(w_fmt, a_fmt):
-    """The predecoded call lowers to Triton IR for an (abstract) H200 (not compiled or run)."""
+    """The predecoded call lowers to Triton IR for an (abstract) H200 (not compiled or run): two
+    Triton calls, the weights' decode pass (its PTX decode included) and the grouped matmul."""
     lhs, rhs = make_operands(w_fmt, a_fmt)
     gs = jnp.asarray(GROUP_SIZES["empty_one_ragged"], jnp.int32)
     config = BlockConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
     f = functools.partial(predecoded.fp4_moe_matmul_predecoded, config=config)
-    assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
+    text = assert_lowers_to_triton_for_h200(f, lhs, rhs, gs)
+    assert text.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
+    assert 'name = "fp4_weights_decode"' in text
+    assert 'name = "fp4_moe_matmul_predecoded"' in text
