@@ -18,7 +18,11 @@ results before the option; docs/kernels.md, "The benchmark model's routing"). Va
   * fp4 + full     : the same, recording full codes at every FP4 site (TRACE-full);
   * fp4 xla        : NVFP4 W/A/KV by XLA fake quantization (the reference path; not a default);
   * bf16 + flash prefill, fp4 + flash prefill : bf16, fp4 with the prefill chunks' attention by
-    the flash kernel (`kernels_pallas.prefill_attention`; not defaults).
+    the flash kernel (`kernels_pallas.prefill_attention`; not defaults), and `+ cudnn prefill`
+    by cuDNN's fused attention;
+  * fp4 + predecode, fp4 + cudnn prefill + predecode : fp4, fp4 + cudnn prefill with the prefill
+    chunks' FP4 expert weights decoded before each grouped matmul (`ModelConfig.
+    predecode_experts`; the op's default until timed: not).
 
 Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant one rollout of N
 new tokens is compiled ahead of time; `generate`'s traced `new_token_limit` runs it whole (N) or as

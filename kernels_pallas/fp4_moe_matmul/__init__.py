@@ -8,7 +8,8 @@ weights stored `[G, N, K]` (contraction last, like the model's `[E, F, D]` exper
     y = fp4_moe_matmul(lhs, rhs, group_sizes)    # [M, N] bfloat16, float32 accumulation
 
 Files: `reference.py` (types, checks, float32 XLA reference), `kernel.py` (Pallas, Triton
-lowering; its docstring has the design and the numerics), `mosaic.py` (Pallas, Mosaic lowering for
+lowering; its docstring has the design and the numerics), `predecoded.py` (prefill: the weights
+decoded in one pass before a bf16 grouped matmul), `mosaic.py` (Pallas, Mosaic lowering for
 TPUs), `api.py` (the op's interface: implementation and lowering choice with fallback).
 
 Status: the Triton kernel runs on the H200 (experiments/results/kernels_moe_matmul.md); both
@@ -24,6 +25,7 @@ from kernels_pallas.fp4_moe_matmul.api import (
     fp4_moe_matmul,
     fp4_moe_matmul_with_implementation,
     implementation_order,
+    predecode_pays,
 )
 from kernels_pallas.fp4_moe_matmul.kernel import (
     BlockConfig,
@@ -55,5 +57,6 @@ __all__ = [
     "fp4_moe_matmul_with_implementation",
     "implementation_order",
     "pack_weights",
+    "predecode_pays",
     "tile_group_ranges",
 ]

@@ -90,11 +90,17 @@ PREDECODE_MIN_ROWS_PER_GROUP = 512
 PREDECODE_BY_DEFAULT = False
 
 
+def predecode_pays(m: int, g: int) -> bool:
+    """Whether `[M, K] x [G, N, K]` has the rows per group from which decoding the weights before
+    the call pays: `PREDECODE_MIN_ROWS_PER_GROUP` on average and more (prefill chunks, not
+    decode steps)."""
+    return m >= PREDECODE_MIN_ROWS_PER_GROUP * g
+
+
 def predecode_by_default(m: int, g: int) -> bool:
     """Whether `[M, K] x [G, N, K]` decodes its weights before the call when `predecode` is None:
-    where `PREDECODE_BY_DEFAULT`, at `PREDECODE_MIN_ROWS_PER_GROUP` rows per group on average
-    and more (prefill)."""
-    return PREDECODE_BY_DEFAULT and m >= PREDECODE_MIN_ROWS_PER_GROUP * g
+    where `PREDECODE_BY_DEFAULT` and `predecode_pays`."""
+    return PREDECODE_BY_DEFAULT and predecode_pays(m, g)
 
 
 def block_config(

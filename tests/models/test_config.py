@@ -112,6 +112,7 @@ def test_presets_are_derived_and_overridable():
         (dict(param_dtype="not-a-dtype"), "param_dtype"),
         (dict(grouped_matmul="megablox"), "grouped_matmul"),
         (dict(prefill_attention="flash"), r"prefill_attention must be one of \['xla'"),
+        (dict(predecode_experts="yes"), "predecode_experts must be None, True or False"),
     ],
 )
 def test_invalid_configs_raise(overrides, fragment):

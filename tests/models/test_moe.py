@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jax_core
 
 from kernels_pallas.fp4_moe_matmul import api as fp4_moe_matmul_api
 from kernels_pallas.fp4_moe_matmul import fp4_moe_matmul_with_implementation
@@ -191,4 +192,54 @@ def test_rollout_moe_runs_the_expert_matmul_the_device_calls_for(monkeypatch, ca
     assert calls == [ran] * 3  # gate, up, down
     y_ref = run("xla")
     assert calls == [ran] * 3
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_ref).max()))
+
+
+def _pallas_call_names(jaxpr) -> list[str]:
+    """Names of the `pallas_call`s inside `jaxpr` (nested jits, loops and conds included)."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(eqn.params["name"])
+            continue
+        for param in jax.tree.leaves(eqn.params, is_leaf=lambda p: hasattr(p, "eqns")):
+            inner = param.jaxpr if isinstance(param, jax_core.ClosedJaxpr) else param
+            if isinstance(inner, jax_core.Jaxpr):
+                names += _pallas_call_names(inner)
+    return names
+
+
+@pytest.mark.usefixtures("pallas_interpreted_on_cpu")
+@pytest.mark.parametrize(
+    ("setting", "by_default", "prefill_decodes_first"),
+    [(None, False, False), (None, True, True), (True, False, True), (False, True, False)],
+)
+def test_predecode_experts_decodes_the_weights_first_in_calls_where_it_pays(
+    monkeypatch, setting, by_default, prefill_decodes_first
+):
+    """`ModelConfig.predecode_experts`: each expert matmul of a call with the rows per expert
+    from which it pays (here 2: the B x T x top-k = 20 rows of 8 experts) runs the weights'
+    decode pass first where the setting (or, unset, the op's default) says; a decode-step-sized
+    call (B x 1 x top-k = 4 rows) never does. Either way the output is the XLA path's to
+    float32 summation order."""
+    qcfg = QuantConfig.nvfp4()
+    cfg, layer_moe, x = make_moe(predecode_experts=setting)
+    monkeypatch.setattr(fp4_moe_matmul_api, "PREDECODE_MIN_ROWS_PER_GROUP", 2)
+    monkeypatch.setattr(fp4_moe_matmul_api, "PREDECODE_BY_DEFAULT", by_default)
+
+    def site(implementation):
+        pallas = implementation == "pallas"
+        packed = {0: pack_experts(layer_moe, qcfg, cfg.dtype)} if pallas else None
+        return QuantSites(
+            qcfg, cfg.n_layers, SiteMode.RTN, differentiable=False,
+            implementation=implementation, packed_experts=packed,
+        )  # fmt: skip
+
+    def decode_passes(x):
+        jaxpr = jax.make_jaxpr(lambda x: layer_moe(x, layer=0, site=site("pallas"))[0])(x)
+        return _pallas_call_names(jaxpr.jaxpr).count("fp4_weights_decode")
+
+    assert decode_passes(x) == (3 if prefill_decodes_first else 0)  # gate, up, down
+    assert decode_passes(x[:, :1]) == 0
+    y, y_ref = (layer_moe(x, layer=0, site=site(impl))[0] for impl in ("pallas", "xla"))
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_ref).max()))

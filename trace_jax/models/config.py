@@ -179,6 +179,12 @@ class ModelConfig:
         (`nnx.remat` per block) instead of keeping them: a training step's activation memory
         falls from every block's (attention scores [B, H, T, T] among them) to about one
         block's, for about one more forward pass of compute. The values are the same.
+      predecode_experts: the FP4 rollout's packed experts on the Pallas kernel
+        (`kernels_pallas.fp4_moe_matmul`): whether calls with the rows per expert from which it
+        pays (`predecode_pays`: prefill chunks, not decode steps) decode the weights in one pass
+        before a bf16 grouped matmul (`predecode=True`, `predecoded.py`) instead of in the
+        kernel. None: the op's default (`PREDECODE_BY_DEFAULT`), True: those calls do, False:
+        none does. The same products up to float32 summation order.
       moe_routing_per_device: the cached forward's (rollout prefill and decode) routed experts on
         a data-parallel mesh (`moe.data_parallel_mesh`: rows split over "data", weights
         replicated) sort, multiply and combine each device's rows on that device, in a
@@ -210,6 +216,7 @@ class ModelConfig:
     grouped_matmul: str = "ragged_dot"
     prefill_attention: str = "xla"
     remat: bool = False
+    predecode_experts: bool | None = None
     moe_routing_per_device: bool = True
 
     def __post_init__(self):
@@ -222,6 +229,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.prefill_attention must be one of {list(PREFILL_ATTENTION)}, got "
                 f"{self.prefill_attention!r}"
+            )
+        if self.predecode_experts not in (None, True, False):
+            raise ValueError(
+                "ModelConfig.predecode_experts must be None, True or False, got "
+                f"{self.predecode_experts!r}"
             )
         positive = (
             "vocab_size",

@@ -23,7 +23,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import common
-from kernels_pallas.fp4_moe_matmul import PackedFP4Weights, fp4_moe_matmul, pack_weights
+from kernels_pallas.fp4_moe_matmul import (
+    PackedFP4Weights,
+    fp4_moe_matmul,
+    pack_weights,
+    predecode_pays,
+)
 from trace_jax import fp4
 from trace_jax.models.backends import expert_kernel_order, site_implementation
 from trace_jax.models.config import (
@@ -208,6 +213,7 @@ def experts_packed_fp4(
     layer: int,
     site: QuantSite,
     dtype,
+    predecode: bool | None = None,
 ) -> jax.Array:
     """`experts_grouped` on packed FP4 weights with the Pallas FP4 MoE matmul (rollout only).
 
@@ -215,15 +221,23 @@ def experts_packed_fp4(
     not quantize); `site` must offer `quantized` (a `QuantSites`) for "expert_mid". The kernel
     decodes both operands exactly and accumulates in float32 like `ragged_dot` over the
     fake-quantized values, so the two paths agree to summation order. The implementations tried
-    are `expert_kernel_order`'s (cuDNN's block-scaled matmul first on Blackwell GPUs). Returns
+    are `expert_kernel_order`'s (cuDNN's block-scaled matmul first on Blackwell GPUs).
+    `predecode`: `ModelConfig.predecode_experts` (None: the op's default; True: the weights
+    decoded before the call where `predecode_pays` for these rows; False: never). Returns
     [B, T, D] in dtype.
     """
     b, t, top_k = routing.topk_idx.shape
-    order, inverse, group_sizes = _sort_by_expert(routing, packed.gate.shape[0])
+    n_experts = packed.gate.shape[0]
+    order, inverse, group_sizes = _sort_by_expert(routing, n_experts)
     implementation = expert_kernel_order(site_implementation(site))
+    if predecode:
+        predecode = predecode_pays(b * t * top_k, n_experts)
 
     def matmul(lhs, w):
-        return fp4_moe_matmul(lhs, w, group_sizes, implementation=implementation, out_dtype=dtype)
+        return fp4_moe_matmul(
+            lhs, w, group_sizes, implementation=implementation, predecode=predecode,
+            out_dtype=dtype,
+        )  # fmt: skip
 
     x_sorted = _rows(x_q, order // top_k)  # [M, D]
     h = jax.nn.silu(matmul(x_sorted, packed.gate)) * matmul(x_sorted, packed.up)  # [M, F]
@@ -398,7 +412,10 @@ class MoE(nnx.Module):
         if packed is not None:  # FP4 rollout on the Pallas kernels: weights packed once
             x_val, x_q = site.quantized(x, name=SiteName.EXPERT_IN, layer=layer)
             x_in = x_val if x_q is None else x_q
-            experts = functools.partial(experts_packed_fp4, layer=layer, site=site, dtype=dt)
+            experts = functools.partial(
+                experts_packed_fp4, layer=layer, site=site, dtype=dt,
+                predecode=cfg.predecode_experts,
+            )  # fmt: skip
             weights = packed
         else:
             x_in = site(x, name=SiteName.EXPERT_IN, layer=layer)

@@ -13,6 +13,10 @@ FP4 with TRACE's compact or full guidance capture, FP4 by XLA fake quantization;
 |                 | attention by the flash kernel (`prefill_attention="auto"`)        |
 | `bf16 + cudnn prefill`, `fp4 + cudnn prefill` | the same by cuDNN's fused attention         |
 |                 | for chunks of whole prompts (`prefill_attention="cudnn"`)         |
+| `fp4 + predecode`, `fp4 + cudnn prefill + predecode` | `fp4`, `fp4 + cudnn prefill` with   |
+|                 | the prefill chunks' expert weights decoded before each grouped    |
+|                 | matmul (`ModelConfig.predecode_experts=True`), whatever the op's  |
+|                 | default                                                          |
 
 Every rollout samples at temperature 1 with no stop token, so that each sequence decodes all its
 new tokens; one compile serves every `new_token_limit` up to its `max_new_tokens`.
@@ -46,12 +50,21 @@ from trace_jax.rollout.sampling import SamplingConfig
 class RolloutVariant:
     """A rollout configuration: FP4 W/A/KV or bf16, the kernels ("xla" | "pallas"), what
     guidance it records: None, "method" (TRACE's compact guidance at its guided sites) or "all"
-    (full codes at every FP4 site), and the model's `prefill_attention` (None: the config's)."""
+    (full codes at every FP4 site), and the model's `prefill_attention` and `predecode_experts`
+    (None: the config's)."""
 
     fp4: bool
     implementation: str
     capture: str | None = None
     prefill_attention: str | None = None
+    predecode_experts: bool | None = None
+
+    def model_settings(self) -> dict:
+        """The `ModelConfig` fields this variant sets."""
+        settings = dict(
+            prefill_attention=self.prefill_attention, predecode_experts=self.predecode_experts
+        )
+        return {name: value for name, value in settings.items() if value is not None}
 
     @property
     def packs_experts(self) -> bool:
@@ -69,16 +82,21 @@ ROLLOUT_VARIANTS = {
     "fp4 + flash prefill": RolloutVariant(True, "pallas", prefill_attention="auto"),
     "bf16 + cudnn prefill": RolloutVariant(False, "xla", prefill_attention="cudnn"),
     "fp4 + cudnn prefill": RolloutVariant(True, "pallas", prefill_attention="cudnn"),
+    "fp4 + predecode": RolloutVariant(True, "pallas", predecode_experts=True),
+    "fp4 + cudnn prefill + predecode": RolloutVariant(
+        True, "pallas", prefill_attention="cudnn", predecode_experts=True
+    ),
 }
 
 
 def variant_graphdef(cfg: ModelConfig, graphdef, variant: str):
     """The graphdef `variant` rolls out with: `graphdef` (of a model of `cfg`), or that of the
-    same model with the variant's `prefill_attention` (the parameters are the same)."""
-    setting = ROLLOUT_VARIANTS[variant].prefill_attention
-    if setting is None or setting == cfg.prefill_attention:
+    same model with the variant's model settings (`RolloutVariant.model_settings`; the
+    parameters are the same)."""
+    variant_cfg = dataclasses.replace(cfg, **ROLLOUT_VARIANTS[variant].model_settings())
+    if variant_cfg == cfg:
         return graphdef
-    return nnx.graphdef(abstract_model(dataclasses.replace(cfg, prefill_attention=setting)))
+    return nnx.graphdef(abstract_model(variant_cfg))
 
 
 def tree_nbytes(*trees) -> int:
