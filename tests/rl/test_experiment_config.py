@@ -117,6 +117,19 @@ def test_model_n_layers_overrides_the_preset_when_set():
         ExperimentConfig.from_config_dict(cd)
 
 
+def test_model_predecode_experts_reaches_the_model_config():
+    """`--config.model.predecode_experts=True` (a typed placeholder, unset by default) sets the
+    built `ModelConfig`'s field; a value that is not a bool is refused."""
+    cd = tiny_cpu.get_config()
+    assert ExperimentConfig.from_config_dict(cd).model.predecode_experts is None
+    cd.model.predecode_experts = True
+    assert ExperimentConfig.from_config_dict(cd).model.predecode_experts is True
+    with pytest.raises(TypeError):
+        cd.model.predecode_experts = "yes"
+    with pytest.raises(ValueError, match="predecode_experts must be None, True or False"):
+        ModelSpec(predecode_experts="yes")
+
+
 def test_model_spec_builds_its_preset_with_the_shape_fields_that_are_set():
     """What the benchmarks' `model` sections build: `ModelConfig.<preset>` with `n_layers` and
     `head_dim` replaced where set."""

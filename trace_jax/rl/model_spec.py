@@ -22,14 +22,15 @@ MODEL_PRESETS = {
 class ModelSpec:
     """The `model` section: a `ModelConfig` preset and the fields an experiment overrides.
 
-    preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul, prefill_attention, remat: as
-      `ModelConfig`'s fields (prefill_attention: the rollouts' prefill chunks; remat: the
-      training step recomputes each block's activations, for long rows).
+    preset: a key of `MODEL_PRESETS`. init_std, grouped_matmul, prefill_attention, remat,
+      predecode_experts: as `ModelConfig`'s fields (prefill_attention: the rollouts' prefill
+      chunks; remat: the training step recomputes each block's activations, for long rows;
+      predecode_experts: the FP4 rollouts' prefill-sized expert matmuls on the Pallas kernel).
     n_layers: the preset's decoder-block count unless set (tests cut `tiny` to 2 blocks).
     head_dim: the preset's per-head width unless set (the benchmarks' CPU smoke runs widen it).
     hf_dir: a Hugging Face Qwen3-MoE checkpoint directory (config.json and safetensors weights),
       or "". When set, the model is its config.json's (`ModelConfig.from_hf_config`, this
-      spec's grouped_matmul, prefill_attention and remat, the presets' compute and parameter
+      spec's kernel settings and remat, the presets' compute and parameter
       dtypes) and the policy starts from its weights (`trace_jax.rl.workers.initial_model`);
       preset and init_std are unused, and n_layers / head_dim are refused (the checkpoint fixes
       the shapes).
@@ -40,6 +41,7 @@ class ModelSpec:
     grouped_matmul: str = ModelConfig.grouped_matmul
     prefill_attention: str = ModelConfig.prefill_attention
     remat: bool = False
+    predecode_experts: bool | None = None
     n_layers: int | None = None
     head_dim: int | None = None
     hf_dir: str = ""
@@ -75,6 +77,7 @@ class ModelSpec:
             grouped_matmul=self.grouped_matmul,
             prefill_attention=self.prefill_attention,
             remat=self.remat,
+            predecode_experts=self.predecode_experts,
         )
         if self.hf_dir:
             return read_hf_config(self.hf_dir, **kernels)
