@@ -1,5 +1,5 @@
 """The run the fault probes share: `experiments.main` on `configs/tiny_cpu.py` cut to 3 steps of
-2 prompts x 2 samples on the 2-block tiny model, a checkpoint every step. The same shapes as
+2 prompts x 2 samples on the 1-block tiny model, a checkpoint every step. The same shapes as
 `tests/rl/test_loop.py`'s runs, so one compilation of their steps serves both.
 
 `OVERRIDES` is the one list of settings: `config_dict()` applies them in this process,
@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from configs import tiny_cpu
+from tests.rl.rollouts import LOOP_LAYERS
 from trace_jax.rl.experiment import ExperimentConfig
 from trace_jax.rl.loop import RLLoop
 from trace_jax.rl.metrics_log import read_rows
@@ -22,7 +23,7 @@ from trace_jax.rl.metrics_log import read_rows
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
 OVERRIDES = {
-    "model.n_layers": 2,
+    "model.n_layers": LOOP_LAYERS,
     "rl.steps": STEPS,
     "rl.prompts_per_step": 2,
     "rl.group_size": 2,

@@ -68,7 +68,7 @@ def test_a_nan_in_every_checkpoint_is_refused_naming_the_parameter(reference_run
     config = ExperimentConfig.from_config_dict(runs.config_dict())
     with RLLoop(config, str(workdir)) as loop:
         loop.restore()
-        w = loop.model.layers[1].moe.w_gate
+        w = loop.model.layers[0].moe.w_gate
         w[...] = w[...].at[0, 0, 0].set(np.nan)
         for step in (PREVIOUS, NEWEST):
             shutil.rmtree(workdir / "rl_checkpoints" / str(step))
@@ -79,7 +79,7 @@ def test_a_nan_in_every_checkpoint_is_refused_naming_the_parameter(reference_run
         rl_entry.run(runs.config_dict(), str(workdir))
     for step in (PREVIOUS, NEWEST):
         named = f"rl_checkpoints/{step}: non-finite values (NaN or Inf) in 1 arrays, first "
-        assert f"{named}'model.layers.1.moe.w_gate'" in str(refused.value), refused.value
+        assert f"{named}'model.layers.0.moe.w_gate'" in str(refused.value), refused.value
     assert sorted(os.listdir(workdir / "rl_checkpoints")) == [str(PREVIOUS), str(NEWEST)]
     assert runs.logged_rows(workdir) == reference_run.rows  # nothing run, nothing logged
 

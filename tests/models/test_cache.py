@@ -18,6 +18,7 @@ from trace_jax.models import (
     decode_step,
     decode_step_jit,
     forward_cached,
+    forward_jit,
     init_cache,
     init_model,
     prefill,
@@ -59,6 +60,12 @@ def right_padded_prompts(seqs: jax.Array) -> jax.Array:
     return jnp.where(keep, seqs[:, :t], 0)
 
 
+def reference(model, tokens: jax.Array, **kw):
+    """The uncached forward the cached paths are checked against, jitted: eagerly every op of the
+    model compiles on its own (several times one program's compile)."""
+    return forward_jit(*nnx.split(model), tokens, **kw)
+
+
 def continuation(seqs: jax.Array, step: int) -> jax.Array:
     return seqs[np.arange(len(LENGTHS)), LENGTHS + step]
 
@@ -70,7 +77,7 @@ def kv_site(x, *, name, layer, experts=None):
 @pytest.mark.parametrize("site", [None, kv_site])
 def test_prefill_decode_match_forward_with_padding(model, seqs, site):
     kw = {} if site is None else {"site": site}
-    ref, ref_aux = model(seqs, **kw)
+    ref, ref_aux = reference(model, seqs, **kw)
     # The cached path and the forward sum in different orders; no token is near a routing tie, so
     # they route alike (exactly) and their logits differ by rounding only.
     assert routing_decided(model, ref_aux["router_probs"], SEQ_LEN).all()
@@ -97,7 +104,7 @@ def test_prefill_decode_match_forward_with_padding(model, seqs, site):
 
 
 def test_chunked_prefill_and_decode_sites(model, seqs):
-    ref, ref_aux = model(seqs[:1, :6])
+    ref, ref_aux = reference(model, seqs[:1, :6])
     assert routing_decided(model, ref_aux["router_probs"], 6).all()
     graphdef, params = nnx.split(model)
     cache = init_cache(CFG32, batch=1, max_len=8)
@@ -222,7 +229,7 @@ def test_prefill_attention_kernel_serves_prefill_chunks(model, seqs, monkeypatch
     )
     cfg = dataclasses.replace(CFG32, prefill_attention="pallas")
     graphdef, params = nnx.graphdef(init_model(cfg, seed=3)), nnx.state(model)
-    ref, _ = model(seqs)
+    ref, _ = reference(model, seqs)
     cache = init_cache(cfg, batch=3, max_len=MAX_LEN)
     first = jnp.asarray(LENGTHS - 2)  # the prompts' last two tokens come as a second chunk
     logits, _, cache = prefill_jit(graphdef, params, cache, right_padded_prompts(seqs), first)

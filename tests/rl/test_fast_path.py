@@ -36,9 +36,11 @@ def _store_entry(worker: RolloutWorker, batch) -> dict[str, fp4.Guidance]:
 
 
 def test_pallas_rollout_worker_records_what_the_xla_one_does(monkeypatch):
-    """One RolloutWorker step of the 2-block tiny model with `rl.rollout_implementation`
+    """One RolloutWorker step of the 1-block tiny model with `rl.rollout_implementation`
     "pallas" (interpret mode: fused quantize + capture, FP4 decode attention, FP4 expert matmul)
-    and "xla", full guidance at every site, float32 compute.
+    and "xla", full guidance at every site, float32 compute. One block: the worker's wiring is
+    what this checks (the sampler's own comparison, in `tests/rollout/test_sampler.py`, runs
+    two), and a block less is about 40% less to compile.
 
     Identical: the tokens, and in the store every site's FP4 codes and block scales. To float32
     rounding: the kernels sum the expert matmuls and the decode attention in another order than
@@ -49,6 +51,7 @@ def test_pallas_rollout_worker_records_what_the_xla_one_does(monkeypatch):
     codes. (In bfloat16 the paths differ more: `tests/rollout/test_sampler.py`.)"""
     cd = loop_config_dict(method="trace_full")
     cd.model.head_dim = 32  # the decode-attention kernel's smallest head
+    cd.model.n_layers = 1
     base = ExperimentConfig.from_config_dict(cd)
     base = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype=jnp.float32))
     model = init_policy(base, None)

@@ -37,7 +37,7 @@ COMPARED = ("reward", "loss", "grad_norm", "train_rollout_gap_mean", "response_l
 
 
 def _config(**rl) -> ExperimentConfig:
-    """3 steps of 2 prompts x 2 samples on the 2-block tiny model; the final step evaluates one
+    """3 steps of 2 prompts x 2 samples on the 1-block tiny model; the final step evaluates one
     split; checkpoints only at step 0 (multiples of 5) unless forced."""
     cd = loop_config_dict(**{"eval_every": 3, "checkpoint_every": 5, **rl})
     cd.eval.update(splits=("level1",), problems_per_split=2, max_new_tokens=8)

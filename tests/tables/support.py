@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from tests import tiny
+from tests.rl.rollouts import LOOP_LAYERS
 from trace_jax.tables.grid import run_dir, table_section
 from trace_jax.tables.step_time import PHASES
 
@@ -21,9 +22,10 @@ TRAINED_TABLE = "trained_tiny_table"
 
 
 def table_config():
-    """A 2-block `tiny` table: `bf16` and `trace` runs, seeds 0 and 1, 3 GRPO steps in chunks
+    """A 1-block `tiny` table: `bf16` and `trace` runs, seeds 0 and 1, 3 GRPO steps in chunks
     of 2, evaluated every step, on the shapes of the RL loop's own tests."""
     cd = tiny.experiment_config()
+    cd.model.n_layers = LOOP_LAYERS
     cd.sft.update(steps=4, batch_size=4, log_every=2, warmup_steps=1)
     cd.eval.update(splits=("level1", "arith_countdown_l2"), problems_per_split=2, max_new_tokens=8)
     cd.rl.update(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -289,10 +290,13 @@ def _run_fake_driver(tables, root, started, **kwargs) -> dict[str, int]:
     the test writes) as the SFT stage and the writing launcher's jobs (their labels appended to
     `started`), on one GPU slot group, no deadline."""
     launch = _writing_launcher(str(root), set(), started)
-    return queue.run_tables(
-        tables, module="fake_driver", root=str(root), deadline_s=None, gpus=[None],
-        launch=launch, **kwargs,
-    )  # fmt: skip
+    # The queue polled every 50 ms, not every 2 s: the stand-in jobs end at once.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "run_queue", functools.partial(queue.run_queue, poll_s=0.05))
+        return queue.run_tables(
+            tables, module="fake_driver", root=str(root), deadline_s=None, gpus=[None],
+            launch=launch, **kwargs,
+        )  # fmt: skip
 
 
 def test_run_tables_runs_the_sft_stage_then_the_jobs(tmp_path, monkeypatch):

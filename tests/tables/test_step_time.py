@@ -48,7 +48,7 @@ def test_report_medians_of_steady_steps_and_ratio(tmp_path, monkeypatch):
 
 
 def test_profiled_steps_are_the_timed_runs_last_compiled_ones(tmp_path, monkeypatch):
-    """A real run (the loop tests' 3 steps of the 2-block tiny model, so their compiled steps):
+    """A real run (the loop tests' 3 steps of the 1-block tiny model, so their compiled steps):
     2 timed steps and 1 profiled. Nothing is compiled while the profiler records: the profiled
     step is the timed run's own last step (a second run of another length would compile
     another update: its learning-rate schedule differs)."""
