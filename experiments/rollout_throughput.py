@@ -20,9 +20,9 @@ results before the option; docs/kernels.md, "The benchmark model's routing"). Va
   * bf16 + flash prefill, fp4 + flash prefill : bf16, fp4 with the prefill chunks' attention by
     the flash kernel (`kernels_pallas.prefill_attention`; not defaults), and `+ cudnn prefill`
     by cuDNN's fused attention;
-  * fp4 + predecode, fp4 + cudnn prefill + predecode : fp4, fp4 + cudnn prefill with the prefill
-    chunks' FP4 expert weights decoded before each grouped matmul (`ModelConfig.
-    predecode_experts`; the op's default until timed: not).
+  * fp4 + in-kernel decode, fp4 + cudnn prefill + in-kernel decode : fp4, fp4 + cudnn prefill
+    with the prefill chunks' FP4 expert weights decoded in the kernel (`ModelConfig.
+    predecode_experts=False`), where the op's default decodes them before each call.
 
 Each row of `config.rows` is (batch, prompt tokens, new tokens N). Per variant one rollout of N
 new tokens is compiled ahead of time; `generate`'s traced `new_token_limit` runs it whole (N) or as

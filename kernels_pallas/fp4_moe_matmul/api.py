@@ -9,7 +9,7 @@ Implementations, in the order the default (`implementation=None`) tries them on 
     Triton (an NVIDIA GPU, or interpret=True), `mosaic.fp4_moe_matmul_mosaic` through Mosaic (a
     TPU, or interpret=`pltpu.InterpretParams()`; block_m, block_n, block_k as given, the Triton
     launch options num_warps, num_stages and grid ignored).
-    With `predecode=True` (and by default with many rows per expert once `PREDECODE_BY_DEFAULT`
+    With `predecode=True` (and by default with many rows per expert while `PREDECODE_BY_DEFAULT`
     is set: `predecode_by_default`) the weights are decoded once, before the call, and the bf16
     grouped matmul runs over them (`predecoded.py`: the Triton grid, or megablox on a TPU).
   * "xla": `reference.fp4_moe_matmul_reference`.
@@ -82,12 +82,12 @@ def native_block_scaled() -> bool:
 # H200's rates (bf16 grouped matmul 404 TFLOP/s, FP4 kernel 195, copy 3.3 TB/s); at 512 the
 # expected gain holds even if that pass runs at half the copy bandwidth.
 PREDECODE_MIN_ROWS_PER_GROUP = 512
-# Off: timed on an H200 (`kernels_moe_matmul.md`, 65536 rows) with XLA's decode pass the path
-# gained nothing (0.999 ms with bf16 activations, 1.166 with NVFP4, against the in-kernel
-# decode's 1.03): that pass wrote the 16-bit operands at a third of the copy bandwidth the
-# threshold above assumes. The path now decodes in a Pallas pass (`predecoded.decode_weights`),
-# not yet timed on a GPU; off until it is.
-PREDECODE_BY_DEFAULT = False
+# On: timed on an H200 at 65536 rows (`kernels_moe_matmul_default_tiles.md`) the predecoded calls
+# take 0.653 ms with bf16 activations and 0.823 with NVFP4, against the in-kernel decode's 1.047
+# and 1.061, their Pallas decode pass 0.175 ms (1.11x the copy limit; XLA's fusion took 0.534,
+# with which the path gained nothing). At decode (512 rows) they take 0.29 ms against 0.10-0.12:
+# the rows rule above keeps those calls in the kernel.
+PREDECODE_BY_DEFAULT = True
 
 
 def predecode_pays(m: int, g: int) -> bool:

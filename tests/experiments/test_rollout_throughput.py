@@ -276,14 +276,15 @@ def test_variants_set_the_rollouts_quantization_capture_and_kernels():
             assert kwargs(twin) == kwargs(base)
             model = nnx.merge(variants.variant_graphdef(cfg, graphdef, twin), params)
             assert model.cfg == dataclasses.replace(cfg, prefill_attention=setting)
-    # The predecode twins: the same rollout, the model's FP4 experts decoded before prefill calls.
+    # The in-kernel decode twins: the same rollout, the model's FP4 experts never decoded before
+    # a call (the op's default decodes prefill-sized calls first).
     for twin, base, settings in (
-        ("fp4 + predecode", "fp4", {}),
-        ("fp4 + cudnn prefill + predecode", "fp4", {"prefill_attention": "cudnn"}),
+        ("fp4 + in-kernel decode", "fp4", {}),
+        ("fp4 + cudnn prefill + in-kernel decode", "fp4", {"prefill_attention": "cudnn"}),
     ):
         assert kwargs(twin) == kwargs(base)
         model = nnx.merge(variants.variant_graphdef(cfg, graphdef, twin), params)
-        assert model.cfg == dataclasses.replace(cfg, predecode_experts=True, **settings)
+        assert model.cfg == dataclasses.replace(cfg, predecode_experts=False, **settings)
 
 
 def entry(seconds_by_round, run, tokens=1.0):

@@ -126,13 +126,15 @@ DOT_DTYPES = [(fp4.NVFP4, fp4.NVFP4, jnp.float16), (fp4.MXFP4, None, jnp.bfloat1
 
 @pytest.mark.parametrize(("w_fmt", "a_fmt", "dtype"), DOT_DTYPES)
 def test_default_decodes_first_from_prefill_rows(w_fmt, a_fmt, dtype, monkeypatch):
-    """With `PREDECODE_BY_DEFAULT` the kernel reads the packed bytes below
-    `PREDECODE_MIN_ROWS_PER_GROUP` rows per expert (decode) and the decoded `[G, N, K]` 16-bit
-    weights from there on (prefill); `predecode=` overrides either way. Unset (until timed on a
-    GPU), the default is the in-kernel decode at every size."""
+    """By default (`PREDECODE_BY_DEFAULT`, set since timed on an H200) the kernel reads the
+    packed bytes below `PREDECODE_MIN_ROWS_PER_GROUP` rows per expert (decode) and the decoded
+    `[G, N, K]` 16-bit weights from there on (prefill); `predecode=` overrides either way.
+    Unset, the default is the in-kernel decode at every size."""
     rows = api.PREDECODE_MIN_ROWS_PER_GROUP * G
-    assert not api.predecode_by_default(rows, G)
-    monkeypatch.setattr(api, "PREDECODE_BY_DEFAULT", True)
+    assert api.PREDECODE_BY_DEFAULT
+    with monkeypatch.context() as unset:
+        unset.setattr(api, "PREDECODE_BY_DEFAULT", False)
+        assert not api.predecode_by_default(rows, G)
     packed, decoded = ((G, N, K // 2), jnp.uint8), ((G, N, K), jnp.dtype(dtype))
     for m, expected in ((rows - 1, packed), (rows, decoded)):
         lhs, rhs = make_operands(w_fmt, a_fmt, m=m)

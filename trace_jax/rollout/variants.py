@@ -13,10 +13,10 @@ FP4 with TRACE's compact or full guidance capture, FP4 by XLA fake quantization;
 |                 | attention by the flash kernel (`prefill_attention="auto"`)        |
 | `bf16 + cudnn prefill`, `fp4 + cudnn prefill` | the same by cuDNN's fused attention         |
 |                 | for chunks of whole prompts (`prefill_attention="cudnn"`)         |
-| `fp4 + predecode`, `fp4 + cudnn prefill + predecode` | `fp4`, `fp4 + cudnn prefill` with   |
-|                 | the prefill chunks' expert weights decoded before each grouped    |
-|                 | matmul (`ModelConfig.predecode_experts=True`), whatever the op's  |
-|                 | default                                                          |
+| `fp4 + in-kernel decode`, `fp4 + cudnn prefill + in-kernel decode` | `fp4`, `fp4 + cudnn   |
+|                 | prefill` with the prefill chunks' FP4 expert weights decoded in   |
+|                 | the kernel (`ModelConfig.predecode_experts=False`), not before    |
+|                 | each grouped matmul as the op's default does for them             |
 
 Every rollout samples at temperature 1 with no stop token, so that each sequence decodes all its
 new tokens; one compile serves every `new_token_limit` up to its `max_new_tokens`.
@@ -82,9 +82,9 @@ ROLLOUT_VARIANTS = {
     "fp4 + flash prefill": RolloutVariant(True, "pallas", prefill_attention="auto"),
     "bf16 + cudnn prefill": RolloutVariant(False, "xla", prefill_attention="cudnn"),
     "fp4 + cudnn prefill": RolloutVariant(True, "pallas", prefill_attention="cudnn"),
-    "fp4 + predecode": RolloutVariant(True, "pallas", predecode_experts=True),
-    "fp4 + cudnn prefill + predecode": RolloutVariant(
-        True, "pallas", prefill_attention="cudnn", predecode_experts=True
+    "fp4 + in-kernel decode": RolloutVariant(True, "pallas", predecode_experts=False),
+    "fp4 + cudnn prefill + in-kernel decode": RolloutVariant(
+        True, "pallas", prefill_attention="cudnn", predecode_experts=False
     ),
 }
 
