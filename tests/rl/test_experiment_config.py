@@ -118,8 +118,8 @@ def test_model_n_layers_overrides_the_preset_when_set():
 
 
 def test_model_predecode_experts_reaches_the_model_config():
-    """`--config.model.predecode_experts=True` (a typed placeholder, unset by default) sets the
-    built `ModelConfig`'s field; a value that is not a bool is refused."""
+    """`--config.model.predecode_experts=True` (a bool-typed ConfigDict field, None by default)
+    sets the built `ModelConfig`'s field; a value that is not a bool is refused."""
     cd = tiny_cpu.get_config()
     assert ExperimentConfig.from_config_dict(cd).model.predecode_experts is None
     cd.model.predecode_experts = True
